@@ -1,0 +1,1 @@
+"""Click commands of the `mq` console script (installed as the package ``mq.cli``)."""

@@ -1,0 +1,251 @@
+"""`mq doctor`: what this node sees, and which route it would take to a peer.
+
+The command is thin: :func:`report` gathers plain facts from the library (``mq.locality``,
+``mq.routing``, ``mq.forksafe``), and the command prints them as rich tables or one JSON object.
+Every section is gathered on its own, so one broken probe shows up as an ``error`` entry in
+its section instead of failing the command; it must work on a laptop without GPU or RDMA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+from typing import Any, Callable, Mapping
+
+import click
+
+import mq.forksafe as forksafe
+from mq.locality import Locality, local
+from mq.routing import BACKEND_ROUTES, select_route, tensorpipe_options
+
+__all__ = ["doctor", "report"]
+
+_OTHER_BOOT_ID = "00000000-0000-0000-0000-000000000000"
+
+
+def _section(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # a broken probe is a finding, not a crash
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _torch() -> dict[str, Any]:
+    try:
+        import torch
+    except ImportError as exc:
+        return {"available": False, "version": None, "error": str(exc)}
+    out: dict[str, Any] = {"available": True, "version": torch.__version__, "cuda_build": torch.version.cuda}
+    try:
+        import torch.distributed.rpc as rpc
+
+        out["rpc_available"] = bool(rpc.is_available())
+    except Exception as exc:
+        out["rpc_available"] = False
+        out["rpc_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _tensorpipe(me: Locality, peers: Mapping[int, Locality]) -> dict[str, Any]:
+    present = False
+    try:
+        import torch.distributed.rpc as rpc
+
+        present = bool(rpc.is_available()) and hasattr(rpc, "TensorPipeRpcBackendOptions")
+        present = present and hasattr(rpc.BackendType, "TENSORPIPE")
+    except Exception:
+        present = False
+    return {
+        "backend_present": present,
+        "options": tensorpipe_options(me, peers, cuda=bool(me.gpus)),
+    }
+
+
+def _pynng() -> dict[str, Any]:
+    # Read the installed version without importing pynng (and its native library).
+    try:
+        return {"available": True, "version": importlib.metadata.version("pynng")}
+    except importlib.metadata.PackageNotFoundError:
+        return {"available": False, "version": None}
+
+
+def _gpus(me: Locality) -> dict[str, Any]:
+    devices = [dataclasses.asdict(g) | {"p2p": list(g.p2p)} for g in me.gpus]
+    # matrix[i][j]: GPU i can read GPU j peer to peer; None on the diagonal.
+    matrix = [[None if g.index == h.index else h.index in g.p2p for h in me.gpus] for g in me.gpus]
+    return {"count": len(devices), "devices": devices, "p2p_matrix": matrix}
+
+
+def _rdma(me: Locality) -> dict[str, Any]:
+    return {
+        "devices": me.to_dict()["rdma"],
+        "active_ports": [f"{name}:{port.port}" for name, port in me.active_rdma_ports()],
+        "peermem": me.peermem,
+    }
+
+
+def _route(route: Any) -> dict[str, Any]:
+    return {"kind": route.kind, "gpu": route.gpu, "gpudirect": route.gpudirect, "reason": route.reason}
+
+
+def sample_peers(me: Locality) -> dict[str, Locality]:
+    """A peer on this host (same descriptor, another pid) and one on another host (another boot id)."""
+    other_boot = _OTHER_BOOT_ID if me.boot_id != _OTHER_BOOT_ID else "ffffffff-ffff-ffff-ffff-ffffffffffff"
+    return {
+        "local": dataclasses.replace(me, pid=(me.pid or 0) + 1),
+        "remote": dataclasses.replace(me, pid=(me.pid or 0) + 1, boot_id=other_boot, hostname="remote-peer"),
+    }
+
+
+def report(locality: Locality | None = None) -> dict[str, Any]:
+    """Everything ``mq doctor`` prints, as one JSON-safe dict.
+
+    Keys: node, container, fork_safety, rdma, gpus, torch, tensorpipe, pynng, routes. Routes
+    hold, per backend (``nng``, ``torchrpc``), the route to a sample local and remote peer.
+    """
+    me = local() if locality is None else locality
+    peers = sample_peers(me)
+    routes = {
+        backend: {
+            where: _section(lambda peer=peer, supported=supported: _route(select_route(me, peer, supported=supported)))
+            for where, peer in peers.items()
+        }
+        for backend, supported in BACKEND_ROUTES.items()
+    }
+    return {
+        "node": _section(
+            lambda: {
+                k: v
+                for k, v in me.to_dict().items()
+                if k in ("hostname", "boot_id", "pid", "ipc_ns", "pid_ns", "net_ns", "mnt_ns", "interfaces")
+            }
+        ),
+        "container": _section(lambda: me.to_dict()["container"]),
+        "fork_safety": _section(lambda: forksafe.state(me)),
+        "rdma": _section(lambda: _rdma(me)),
+        "gpus": _section(lambda: _gpus(me)),
+        "torch": _section(_torch),
+        "tensorpipe": _section(lambda: _tensorpipe(me, {1: peers["local"], 2: peers["remote"]})),
+        "pynng": _section(_pynng),
+        "routes": routes,
+    }
+
+
+def _render(rep: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.tree import Tree
+
+    console = Console()
+
+    def failed(section: str) -> bool:
+        value = rep[section]
+        if isinstance(value, dict) and set(value) == {"error"}:
+            console.print(f"[red]{section}: could not be read: {value['error']}[/red]")
+            return True
+        return False
+
+    if not failed("node"):
+        node = rep["node"]
+        tree = Tree(f"[bold]node[/bold] {node['hostname']} pid {node['pid']}")
+        tree.add(f"boot id {node['boot_id']}")
+        tree.add("namespaces " + " ".join(str(node[k]) for k in ("ipc_ns", "pid_ns", "net_ns", "mnt_ns")))
+        tree.add("interfaces " + (", ".join(node["interfaces"]) or "none"))
+        console.print(tree)
+
+    if not failed("container"):
+        c = rep["container"]
+        head = f"in a container ({c['runtime']})" if c["in_container"] else "not in a container"
+        if c.get("container_id"):
+            head += f", id {c['container_id'][:12]}"
+        tree = Tree(f"[bold]container[/bold] {head}")
+        for line in c["evidence"]:
+            tree.add(line)
+        console.print(tree)
+
+    if not failed("fork_safety"):
+        f = rep["fork_safety"]
+        tree = Tree(f"[bold]fork safety[/bold] {'ok' if f['ok'] else '[red]NOT SAFE[/red]'}")
+        for k, v in f["env"].items():
+            tree.add(f"{k}={v if v is not None else '(unset)'}")
+        tree.add(f"RDMA may be used: {f['rdma_may_be_used']}; started: {f['rdma_started']}; "
+                 f"start method: {f['start_method'] or '(default)'}")
+        if f["advice"]:
+            tree.add(f"[yellow]{f['advice']}[/yellow]")
+        console.print(tree)
+
+    if not failed("rdma"):
+        r = rep["rdma"]
+        table = Table(title="RDMA devices", title_justify="left")
+        for col in ("device", "port", "state", "phys state", "link layer", "rate"):
+            table.add_column(col)
+        for dev in r["devices"]:
+            for p in dev["ports"] or [None]:
+                if p is None:
+                    table.add_row(dev["name"], "-", "no ports", "", "", "")
+                else:
+                    state = p["state"] if p["state"] != "ACTIVE" else "[green]ACTIVE[/green]"
+                    table.add_row(dev["name"], str(p["port"]), state, p["phys_state"], p["link_layer"], p["rate"])
+        if not r["devices"]:
+            table.add_row("none", "", "", "", "", "")
+        console.print(table)
+
+    if not failed("gpus"):
+        g = rep["gpus"]
+        table = Table(title=f"GPUs ({g['count']}) and peer-to-peer access", title_justify="left")
+        table.add_column("idx")
+        table.add_column("name")
+        table.add_column("uuid")
+        for d in g["devices"]:
+            table.add_column(f"P2P {d['index']}")
+        for d, row in zip(g["devices"], g["p2p_matrix"]):
+            cells = ["X" if v is None else ("OK" if v else "-") for v in row]
+            table.add_row(str(d["index"]), d["name"], d["uuid"], *cells)
+        if not g["devices"]:
+            table.add_row("-", "no GPU visible", "")
+        console.print(table)
+
+    table = Table(title="software", title_justify="left")
+    table.add_column("component")
+    table.add_column("status")
+    t = rep["torch"]
+    if "error" in t and not t.get("available"):
+        table.add_row("torch", f"[red]missing[/red] ({t['error']})")
+    else:
+        table.add_row("torch", f"{t.get('version')} (CUDA build {t.get('cuda_build') or 'none'})")
+        table.add_row("torch.distributed.rpc", "available" if t.get("rpc_available") else "[red]unavailable[/red]")
+    tp = rep["tensorpipe"]
+    if "error" in tp:
+        table.add_row("TensorPipe", f"[red]{tp['error']}[/red]")
+    else:
+        table.add_row("TensorPipe", "backend present" if tp["backend_present"] else "[red]absent[/red]")
+        table.add_row("  transports", ", ".join(tp["options"]["_transports"]))
+        table.add_row("  channels", ", ".join(tp["options"]["_channels"]))
+    pn = rep["pynng"]
+    table.add_row("pynng", pn.get("version") or "[red]missing[/red]")
+    console.print(table)
+
+    table = Table(title="routes this node would take", title_justify="left", show_lines=True)
+    for col in ("backend", "peer", "CPU", "GPU", "why"):
+        table.add_column(col, overflow="fold")
+    for backend, by_peer in rep["routes"].items():
+        for where, r in by_peer.items():
+            peer = "same host, other pid" if where == "local" else "other host"
+            if "error" in r:
+                table.add_row(backend, peer, "-", "-", f"[red]{r['error']}[/red]")
+            else:
+                gpu = r["gpu"] + (" + GPUDirect" if r["gpudirect"] else "")
+                table.add_row(backend, peer, r["kind"], gpu, r["reason"])
+    console.print(table)
+
+
+@click.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def doctor(as_json: bool) -> None:
+    """Show what this node sees: container, fork safety, RDMA, GPUs, torch/TensorPipe, routes."""
+    rep = report()
+    if as_json:
+        click.echo(json.dumps(rep, indent=2, sort_keys=True, default=str))
+    else:
+        _render(rep)

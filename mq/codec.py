@@ -1,0 +1,379 @@
+"""Payload codec: a user object <-> a msgpack header plus out-of-band buffers.
+
+Wire format of one frame (what the NNG backend sends as one NNG message)::
+
+    u32 little-endian  header length H
+    H bytes            msgpack envelope [VERSION, kind, topic, sender, seq, corr, tree, spans]
+    padding            to a 64-byte boundary
+    buffers            each starting on a 64-byte boundary; ``spans`` lists (offset, nbytes)
+
+``tree`` is the payload with every array, tensor, tuple and large bytes value replaced by a
+msgpack ExtType. Array and tensor data never enter the msgpack body: they are written straight
+into the frame, and on receive they are views of the received message (no copy).
+
+Safety: nothing is unpickled unless the codec was built with ``allow_pickle=True`` on the
+receiving side; object dtypes are refused; every span and shape is checked against the frame
+before a view is made, so a malformed frame raises :class:`ProtocolError` and nothing else.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+from mq.errors import EncodeError, ProtocolError
+
+VERSION = 1
+ALIGN = 64
+_U32 = struct.Struct("<I")
+
+# Frame kinds. Data flows one way through them: the backend only looks at ``kind``.
+MSG, REQ, REP_OK, REP_ERR, HELLO, HELLO_ACK, SUBS, BYE = range(8)
+KIND_NAMES = ("MSG", "REQ", "REP_OK", "REP_ERR", "HELLO", "HELLO_ACK", "SUBS", "BYE")
+
+# msgpack extension codes of the payload tree.
+_EXT_TUPLE, _EXT_NDARRAY, _EXT_TENSOR, _EXT_PICKLE, _EXT_BYTES = 1, 2, 3, 4, 5
+
+# bytes values at least this large go out of band too (no copy into the msgpack body).
+_OOB_BYTES_MIN = 64 * 1024
+
+try:  # torch is a dependency, but keep the codec importable for numpy-only users
+    import torch
+
+    _TORCH_DTYPES: dict[str, Any] = {
+        str(dt).removeprefix("torch."): dt
+        for dt in (
+            torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+            torch.float16, torch.bfloat16, torch.float32, torch.float64,
+            torch.complex64, torch.complex128,
+        )
+    }
+    for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
+        if hasattr(torch, _name):
+            _TORCH_DTYPES[_name] = getattr(torch, _name)
+except ImportError:  # pragma: no cover - torch is installed with mq
+    torch = None  # type: ignore[assignment]
+    _TORCH_DTYPES = {}
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One decoded frame."""
+
+    kind: int
+    topic: str
+    sender: int
+    seq: int
+    corr: int
+    payload: Any
+
+
+def _is_tensor(obj: Any) -> bool:
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _tensor_bytes(t: "torch.Tensor") -> np.ndarray:
+    """A contiguous CPU tensor's memory as a flat uint8 numpy array (no copy when possible)."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
+def _prepare_tensor(t: "torch.Tensor") -> "torch.Tensor":
+    if t.layout != torch.strided or t.is_quantized:
+        raise EncodeError(
+            f"cannot send a {t.layout} tensor (quantized={t.is_quantized}): convert it with "
+            ".to_dense() / .dequantize() first"
+        )
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
+class Codec:
+    """Turns payloads into frames and back.
+
+    Args:
+        allow_pickle: on send, pickle values the codec cannot carry natively; on receive,
+            unpickle such values. Off by default: a frame from the network is never unpickled
+            unless the receiving side opted in.
+        keep_tensors: keep torch tensors (CPU or CUDA) as tensor objects in the buffer list
+            instead of turning them into bytes; the torch RPC backend sends them as RPC tensors.
+        max_frame_bytes: frames larger than this are refused on receive.
+    """
+
+    def __init__(self, *, allow_pickle: bool = False, keep_tensors: bool = False,
+                 max_frame_bytes: int = 4 << 30):
+        self.allow_pickle = allow_pickle
+        self.keep_tensors = keep_tensors
+        self.max_frame_bytes = max_frame_bytes
+
+    # ------------------------------------------------------------------ encode
+    def pack(self, payload: Any) -> tuple[bytes, list[Any]]:
+        """Payload -> (msgpack tree, buffers). Buffers are uint8 numpy arrays, bytes, or tensors."""
+        buffers: list[Any] = []
+
+        def default(obj: Any) -> msgpack.ExtType:
+            if isinstance(obj, tuple):
+                return msgpack.ExtType(_EXT_TUPLE, packb(list(obj)))
+            if isinstance(obj, np.ndarray):
+                return self._pack_ndarray(obj, buffers)
+            if _is_tensor(obj):
+                return self._pack_tensor(obj, buffers)
+            if isinstance(obj, (bytearray, memoryview)):
+                return default(bytes(obj))
+            if isinstance(obj, bytes):  # only large ones reach here (see below)
+                buffers.append(obj)
+                return msgpack.ExtType(_EXT_BYTES, packb(len(buffers) - 1))
+            if isinstance(obj, np.generic):
+                return default(np.asarray(obj)) if obj.dtype.kind in "mMV" else obj.item()
+            for base in (bool, int, float, str, dict, list):  # subclasses: IntEnum, OrderedDict
+                if isinstance(obj, base):
+                    return base(obj)
+            if self.allow_pickle:
+                return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj, protocol=5))
+            raise EncodeError(
+                f"cannot send a value of type {type(obj).__module__}.{type(obj).__qualname__}: "
+                "mq carries dict/list/tuple/str/bytes/int/float/bool/None, numpy arrays and torch "
+                "tensors. Convert it, or opt in to pickling with mq.create(..., allow_pickle=True) "
+                "on both sides (only between peers you trust)."
+            )
+
+        def packb(obj: Any) -> bytes:
+            return msgpack.packb(_lift_big_bytes(obj), default=default, strict_types=True,
+                                 use_bin_type=True)
+
+        try:
+            return packb(payload), buffers
+        except (TypeError, ValueError, OverflowError) as exc:
+            if isinstance(exc, EncodeError):
+                raise
+            raise EncodeError(f"cannot encode payload: {exc}") from exc
+
+    def _pack_ndarray(self, arr: np.ndarray, buffers: list[Any]) -> msgpack.ExtType:
+        if arr.dtype.hasobject:
+            raise EncodeError(
+                f"cannot send a numpy array of dtype {arr.dtype}: object arrays would need "
+                "pickling; convert to a numeric dtype or pass allow_pickle=True"
+            )
+        arr = np.ascontiguousarray(arr)
+        buffers.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
+        meta = [arr.dtype.str, list(arr.shape), len(buffers) - 1]
+        return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb(meta))
+
+    def _pack_tensor(self, t: "torch.Tensor", buffers: list[Any]) -> msgpack.ExtType:
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _TORCH_DTYPES:
+            raise EncodeError(f"cannot send a tensor of dtype {t.dtype}: not supported by mq")
+        t = _prepare_tensor(t)
+        device = str(t.device)
+        if self.keep_tensors:
+            buffers.append(t)
+        else:
+            # CUDA tensors are staged to host; the receiver puts them back on the same index.
+            buffers.append(_tensor_bytes(t.cpu() if t.device.type != "cpu" else t))
+        meta = [dtype, list(t.shape), len(buffers) - 1, device]
+        return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(meta))
+
+    def encode(self, kind: int, topic: str, sender: int, seq: int, corr: int,
+               payload: Any) -> "Encoded":
+        tree, buffers = self.pack(payload)
+        return Encoded.build(kind, topic, sender, seq, corr, tree, buffers)
+
+    # ------------------------------------------------------------------ decode
+    def unpack(self, tree: bytes, buffers: Sequence[Any]) -> Any:
+        """(msgpack tree, buffers) -> payload. Buffers are memoryviews (or tensors)."""
+
+        def ext_hook(code: int, data: bytes) -> Any:
+            if code == _EXT_TUPLE:
+                return tuple(unpackb(data))
+            if code == _EXT_NDARRAY:
+                return self._unpack_ndarray(data, buffers)
+            if code == _EXT_TENSOR:
+                return self._unpack_tensor(data, buffers)
+            if code == _EXT_BYTES:
+                return bytes(_buffer_at(buffers, msgpack.unpackb(data)))
+            if code == _EXT_PICKLE:
+                if not self.allow_pickle:
+                    raise ProtocolError(
+                        "received a pickled value but this node does not unpickle network data; "
+                        "create it with allow_pickle=True if the sender is trusted"
+                    )
+                return pickle.loads(data)
+            raise ProtocolError(f"unknown extension code {code} in payload")
+
+        def unpackb(data: bytes) -> Any:
+            return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False,
+                                   use_list=True)
+
+        try:
+            return unpackb(tree)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # any malformed tree is a protocol error, never a crash
+            raise ProtocolError(f"malformed payload: {type(exc).__name__}: {exc}") from exc
+
+    def _unpack_ndarray(self, data: bytes, buffers: Sequence[Any]) -> np.ndarray:
+        dtype_str, shape, index = msgpack.unpackb(data)
+        dtype = np.dtype(dtype_str)
+        if dtype.hasobject:
+            raise ProtocolError(f"refusing numpy dtype {dtype_str!r} with object fields")
+        buf = _buffer_at(buffers, index)
+        _check_size(shape, dtype.itemsize, len(buf))
+        if len(buf) == 0:
+            return np.empty(shape, dtype=dtype)
+        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def _unpack_tensor(self, data: bytes, buffers: Sequence[Any]) -> Any:
+        dtype_name, shape, index, device = msgpack.unpackb(data)
+        dtype = _TORCH_DTYPES.get(dtype_name)
+        if dtype is None:
+            raise ProtocolError(f"unknown tensor dtype {dtype_name!r}")
+        if not isinstance(index, int) or not 0 <= index < len(buffers):
+            raise ProtocolError(f"tensor refers to buffer {index!r}, frame has {len(buffers)}")
+        buf = buffers[index]
+        if _is_tensor(buf):
+            t = buf
+        else:
+            _check_size(shape, dtype.itemsize, len(buf))
+            if len(buf) == 0:
+                t = torch.empty(shape, dtype=dtype)
+            else:
+                if getattr(buf, "readonly", False):
+                    buf = bytearray(buf)  # torch wants writable memory
+                t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+        return _place(t, device)
+
+    def decode(self, frame: Any) -> Envelope:
+        """Bytes-like frame -> :class:`Envelope`; :class:`ProtocolError` if malformed."""
+        view = memoryview(frame).cast("B")
+        if len(view) > self.max_frame_bytes:
+            raise ProtocolError(f"frame of {len(view)} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+        if len(view) < 4:
+            raise ProtocolError(f"truncated frame of {len(view)} bytes")
+        (hlen,) = _U32.unpack_from(view, 0)
+        if 4 + hlen > len(view):
+            raise ProtocolError(f"header of {hlen} bytes overruns a {len(view)}-byte frame")
+        try:
+            head = msgpack.unpackb(view[4:4 + hlen], raw=False, use_list=True,
+                                   strict_map_key=False)
+            version, kind, topic, sender, seq, corr, tree, spans = head
+        except Exception as exc:
+            raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
+        if version != VERSION:
+            raise ProtocolError(f"frame version {version!r}, this node speaks {VERSION}")
+        if not (isinstance(kind, int) and 0 <= kind < len(KIND_NAMES) and isinstance(topic, str)
+                and isinstance(sender, int) and isinstance(tree, bytes)):
+            raise ProtocolError("envelope fields have the wrong types")
+        buffers = []
+        for span in spans:
+            off, n = span
+            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n
+                    and off + n <= len(view)):
+                raise ProtocolError(f"buffer span {span!r} lies outside the {len(view)}-byte frame")
+            buffers.append(view[off:off + n])
+        return Envelope(kind, topic, sender, seq, corr, self.unpack(tree, buffers))
+
+
+@dataclass
+class Encoded:
+    """An encoded frame not yet copied anywhere: header bytes plus buffer spans."""
+
+    header: bytes
+    buffers: list[Any]
+    offsets: list[int]
+    size: int
+
+    @classmethod
+    def build(cls, kind: int, topic: str, sender: int, seq: int, corr: int, tree: bytes,
+              buffers: list[Any]) -> "Encoded":
+        sizes = [memoryview(b).nbytes for b in buffers]
+        # Offsets depend on the header length, which depends on the offsets: the span
+        # integers change width at most a few times, so iterate to the fixed point.
+        hlen = 0
+        for _ in range(8):
+            offsets, pos = [], _align(4 + hlen)
+            for n in sizes:
+                offsets.append(pos)
+                pos = _align(pos + n)
+            header = msgpack.packb([VERSION, kind, topic, sender, seq, corr, tree,
+                                    [[o, n] for o, n in zip(offsets, sizes)]], use_bin_type=True)
+            if len(header) == hlen:
+                break
+            hlen = len(header)
+        end = offsets[-1] + sizes[-1] if buffers else 4 + len(header)
+        return cls(header, buffers, offsets, end)
+
+    def write_into(self, out: memoryview) -> None:
+        """Copy the frame into ``out`` (exactly ``self.size`` writable bytes)."""
+        _U32.pack_into(out, 0, len(self.header))
+        out[4:4 + len(self.header)] = self.header
+        for off, buf in zip(self.offsets, self.buffers):
+            src = memoryview(buf).cast("B")
+            out[off:off + src.nbytes] = src
+
+    def to_bytes(self) -> bytearray:
+        out = bytearray(self.size)
+        self.write_into(memoryview(out))
+        return out
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) & ~(ALIGN - 1)
+
+
+def _lift_big_bytes(obj: Any) -> Any:
+    """Large bytes go out of band; msgpack would copy them into its body otherwise."""
+    if isinstance(obj, bytes) and len(obj) >= _OOB_BYTES_MIN:
+        return _BigBytes(obj)
+    if type(obj) is dict:
+        return {k: _lift_big_bytes(v) for k, v in obj.items()} if _has_big_bytes(obj) else obj
+    if type(obj) is list:
+        return [_lift_big_bytes(v) for v in obj] if _has_big_bytes(obj) else obj
+    return obj
+
+
+def _has_big_bytes(obj: Any) -> bool:
+    items = obj.values() if type(obj) is dict else obj
+    return any((isinstance(v, bytes) and len(v) >= _OOB_BYTES_MIN)
+               or (type(v) in (dict, list) and _has_big_bytes(v)) for v in items)
+
+
+class _BigBytes(bytes):
+    """A bytes subclass: with strict_types msgpack hands it to ``default`` (out of band)."""
+
+
+def _buffer_at(buffers: Sequence[Any], index: Any) -> Any:
+    if not isinstance(index, int) or not 0 <= index < len(buffers):
+        raise ProtocolError(f"payload refers to buffer {index!r}, frame has {len(buffers)}")
+    return buffers[index]
+
+
+def _check_size(shape: Any, itemsize: int, nbytes: int) -> None:
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ProtocolError(f"bad shape {shape!r}")
+    count = 1
+    for d in shape:
+        count *= d
+    if count * itemsize != nbytes:
+        raise ProtocolError(f"shape {shape} x {itemsize} bytes does not match buffer of {nbytes} bytes")
+
+
+def _place(t: Any, device: Any) -> Any:
+    """Put a received tensor on the device it was sent from when this node has it, else CPU."""
+    if not isinstance(device, str) or not device.startswith("cuda") or not torch.cuda.is_available():
+        return t
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return t
+    return t.to(f"cuda:{index}", non_blocking=False)
+

@@ -1,0 +1,78 @@
+"""The one error tree of mq. Every error a user can see is an :class:`MQError`.
+
+::
+
+    MQError
+    ├── ConfigError(ValueError)      bad input: option, address, device map, mq type
+    ├── EncodeError(TypeError)       payload the codec cannot carry (no silent pickling)
+    ├── ProtocolError                a peer broke the wire protocol (bad frame, duplicate id)
+    ├── Timeout(TimeoutError)        a bounded wait ran out
+    ├── PeerLost(ConnectionError)    the peer died or became unreachable
+    ├── RemoteError                  the peer's handler raised; type and message kept
+    └── ClosedError                  you used a queue after stop()
+
+Backends translate their native errors into this tree at one place each.
+"""
+
+from __future__ import annotations
+
+
+class MQError(Exception):
+    """Root of every error raised by mq."""
+
+
+class ConfigError(MQError, ValueError):
+    """Bad input: the message names what was wrong and how to fix it."""
+
+
+class EncodeError(MQError, TypeError):
+    """A payload holds a value the codec cannot carry."""
+
+
+class ProtocolError(MQError):
+    """A peer sent something that breaks the wire protocol."""
+
+
+class Timeout(MQError, TimeoutError):
+    """A bounded wait ran out."""
+
+
+class PeerLost(MQError, ConnectionError):
+    """The peer died or can no longer be reached."""
+
+
+class ClosedError(MQError):
+    """The queue was stopped by this process."""
+
+
+class RemoteError(MQError):
+    """The remote handler raised.
+
+    Attributes:
+        remote_type: the qualified name of the exception type raised remotely.
+        remote_message: ``str()`` of the remote exception.
+        remote_traceback: the formatted remote traceback (text only, never unpickled).
+    """
+
+    def __init__(self, remote_type: str, remote_message: str, remote_traceback: str = "", peer: int | None = None):
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+        self.peer = peer
+        where = f" on node {peer}" if peer is not None else ""
+        super().__init__(f"{remote_type}: {remote_message} (raised by the handler{where})")
+
+    def __reduce__(self):  # keep picklable for multiprocessing result passing
+        return (RemoteError, (self.remote_type, self.remote_message, self.remote_traceback, self.peer))
+
+
+__all__ = [
+    "ClosedError",
+    "ConfigError",
+    "EncodeError",
+    "MQError",
+    "PeerLost",
+    "ProtocolError",
+    "RemoteError",
+    "Timeout",
+]

@@ -1,0 +1,140 @@
+"""Rendezvous: nodes publish their addresses through a key-value store so nobody writes
+attach lists by hand.
+
+``init_method`` forms (the same as torch.distributed):
+
+- ``tcp://host:port`` — a torch TCPStore (libuv backend); node 0 hosts it.
+- ``env://`` — MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the environment.
+- ``file:///shared/path`` — a torch FileStore on a filesystem every node sees.
+
+Each node writes ``mq/<run>/<node_id>`` = msgpack(info) and waits for the others; it then
+dials the peers its topology names (:func:`attach_targets`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping
+from urllib.parse import urlparse
+
+import msgpack
+
+from mq.errors import ConfigError, Timeout
+
+TOPOLOGIES = ("mesh", "star", "alone")
+
+
+@dataclass(frozen=True)
+class InitMethod:
+    scheme: str  # tcp | file
+    host: str = ""
+    port: int = 0
+    path: str = ""
+    rank: int | None = None
+    world_size: int | None = None
+
+
+def parse_init_method(init_method: str, environ: Mapping[str, str] | None = None) -> InitMethod:
+    """Parse ``tcp://host:port``, ``env://`` or ``file://path``.
+
+    Raises:
+        ConfigError: the form is wrong or env:// variables are missing.
+    """
+    env = os.environ if environ is None else environ
+    if not isinstance(init_method, str):
+        raise ConfigError(f"init_method must be a string such as tcp://127.0.0.1:29500, got {init_method!r}")
+    if init_method.startswith("env://"):
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+        if missing:
+            raise ConfigError(f"init_method env:// needs {', '.join(missing)} set in the environment "
+                              "(and RANK, WORLD_SIZE unless given as options)")
+        rank = _int_env(env, "RANK")
+        world = _int_env(env, "WORLD_SIZE")
+        return InitMethod("tcp", env["MASTER_ADDR"], _port(env["MASTER_PORT"], init_method), rank=rank,
+                          world_size=world)
+    if init_method.startswith("tcp://"):
+        parsed = urlparse(init_method)
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if not parsed.hostname or port is None:
+            raise ConfigError(f"init_method {init_method!r} needs a host and a port, e.g. tcp://10.0.0.1:29500")
+        return InitMethod("tcp", parsed.hostname, port)
+    if init_method.startswith("file://"):
+        path = init_method[len("file://"):]
+        if not path:
+            raise ConfigError(f"init_method {init_method!r} needs a path, e.g. file:///tmp/mq-rendezvous")
+        return InitMethod("file", path=path)
+    raise ConfigError(f"init_method {init_method!r} must start with tcp://, env:// or file://")
+
+
+def attach_targets(node_id: int, node_ids: list[int], topology: str) -> list[int]:
+    """Which peers a node dials: mesh dials every lower id (each pair once), star dials the
+    lowest id (the hub), alone dials nobody."""
+    if topology not in TOPOLOGIES:
+        raise ConfigError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
+    ids = sorted(node_ids)
+    if topology == "mesh":
+        return [i for i in ids if i < node_id]
+    if topology == "star":
+        return [ids[0]] if ids and ids[0] != node_id else []
+    return []
+
+
+class Rendezvous:
+    """One node's handle on the store; node 0 hosts a TCP store and keeps it while it runs."""
+
+    def __init__(self, init_method: str, node_id: int, world_size: int | None, *, timeout: float,
+                 run: str = "mq"):
+        spec = parse_init_method(init_method)
+        self.world_size = world_size if world_size is not None else spec.world_size
+        if not self.world_size or self.world_size < 1:
+            raise ConfigError(f"init_method {init_method!r} needs world_size >= 1 (option world_size= "
+                              "or WORLD_SIZE for env://)")
+        if not 0 <= node_id < self.world_size:
+            raise ConfigError(f"node_id {node_id} must be in [0, world_size={self.world_size}) with init_method")
+        self.node_id = node_id
+        self.timeout = timeout
+        self.prefix = f"{run}/"
+        import torch.distributed as dist  # heavy: only when rendezvous is used
+
+        if spec.scheme == "file":
+            self.store = dist.FileStore(spec.path, self.world_size)
+        else:
+            try:
+                self.store = dist.TCPStore(spec.host, spec.port, self.world_size, node_id == 0,
+                                           timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                                           use_libuv=True)
+            except (RuntimeError, ValueError) as exc:
+                raise Timeout(f"rendezvous at {init_method} failed for node {node_id}: {exc}") from exc
+
+    def exchange(self, info: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """Publish ``info`` and return every node's info by node id."""
+        self.store.set(f"{self.prefix}{self.node_id}", msgpack.packb(info, use_bin_type=True))
+        keys = [f"{self.prefix}{i}" for i in range(self.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            missing = [k for k in keys if not self.store.check([k])]
+            raise Timeout(f"rendezvous: {missing} did not register within {self.timeout:g}s "
+                          f"(world_size={self.world_size}): are all nodes started?") from exc
+        return {i: msgpack.unpackb(self.store.get(k), raw=False, strict_map_key=False)
+                for i, k in enumerate(keys)}
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"{name}={value!r} must be a non-negative integer")
+    return int(value)
+
+
+def _port(text: str, where: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ConfigError(f"port {text!r} in {where} must be 1-65535")
+    return int(text)
