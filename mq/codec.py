@@ -165,9 +165,10 @@ class Codec:
                 f"cannot send a numpy array of dtype {arr.dtype}: object arrays would need "
                 "pickling; convert to a numeric dtype or pass allow_pickle=True"
             )
-        arr = np.ascontiguousarray(arr)
+        shape = list(arr.shape)  # ascontiguousarray turns 0-d into 1-d: keep the real shape
+        arr = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
         buffers.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
-        meta = [arr.dtype.str, list(arr.shape), len(buffers) - 1]
+        meta = [arr.dtype.str, shape, len(buffers) - 1]
         return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb(meta))
 
     def _pack_tensor(self, t: "torch.Tensor", buffers: list[Any]) -> msgpack.ExtType:

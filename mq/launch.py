@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from mq.errors import ConfigError, MQError
+from mq.errors import ConfigError, MQError, Timeout
 from mq.registry import check_mq_type, create
 from mq.rendezvous import TOPOLOGIES, attach_targets
 
@@ -264,7 +264,8 @@ def launch(main: Callable[[Context], Any] | str, n_workers: int = 1, mq_type: st
                        labels=labels, **options))
 
 
-def run_plan(plan: Plan) -> None:
+def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
+    """Start the plan's workers and supervise them; ``deadline_s`` bounds the whole job."""
     from mq import forksafe, locality
 
     # Set before any worker (and any verbs library in it) starts: spawn copies the environment.
@@ -279,7 +280,7 @@ def run_plan(plan: Plan) -> None:
             p = ctx.Process(target=_worker, args=(plan, n), name=f"mq-node-{n}", daemon=False)
             p.start()
             procs[n] = p
-        failures = _supervise(procs)
+        failures = _supervise(procs, deadline_s)
     except KeyboardInterrupt:
         _stop_all(procs)
         raise
@@ -287,9 +288,13 @@ def run_plan(plan: Plan) -> None:
         raise LaunchError(failures)
 
 
-def _supervise(procs: dict[int, Any]) -> dict[int, int]:
+def _supervise(procs: dict[int, Any], deadline_s: float | None) -> dict[int, int]:
     failures: dict[int, int] = {}
+    deadline = time.monotonic() + deadline_s if deadline_s else None
     while True:
+        if deadline is not None and time.monotonic() > deadline:
+            _stop_all(procs)
+            raise Timeout(f"the job did not finish within {deadline_s:g}s; its workers were stopped")
         running = False
         for n, p in procs.items():
             code = p.exitcode

@@ -153,10 +153,6 @@ class Locality:
         """(device name, port) for every ACTIVE port; a DOWN port next to them is ignored."""
         return tuple((dev.name, port) for dev in self.rdma for port in dev.ports if port.active)
 
-    @property
-    def gpu_uuids(self) -> frozenset[str]:
-        return frozenset(gpu.uuid for gpu in self.gpus)
-
     def to_dict(self) -> dict[str, Any]:
         """This descriptor as plain dict/list/str/int/bool/None, safe for msgpack and JSON."""
         return _plain(self)
@@ -216,9 +212,9 @@ def _check(value: Any, typ: type, path: str) -> Any:
 
 
 def _get(d: Mapping[str, Any], key: str, typ: type, default: Any, path: str) -> Any:
-    value = d.get(key, default)
-    if value is None or value is default:
-        return value
+    value = d.get(key)
+    if value is None:  # missing, or sent as unknown
+        return default
     return _check(value, typ, f"{path}.{key}")
 
 
@@ -402,12 +398,12 @@ _ID_PATTERNS = (
     re.compile(r"cri-containerd-([0-9a-f]{12,64})"),
     re.compile(r"crio-(?:conmon-)?([0-9a-f]{12,64})"),
     re.compile(r"/docker/containers/([0-9a-f]{12,64})"),
-    re.compile(r"/containers/storage/overlay-containers/([0-9a-f]{12,64})"),
+    re.compile(r"/overlay-containers/([0-9a-f]{12,64})"),
     re.compile(r"kubepods[^\s]*/([0-9a-f]{64})"),
 )
 _MOUNT_MARKERS = (
     ("/docker/containers/", "docker"),
-    ("/containers/storage/overlay-containers/", "podman"),
+    ("/overlay-containers/", "podman"),
     ("/kubelet/pods/", "kubernetes"),
 )
 
@@ -418,6 +414,13 @@ def _find_id(text: str) -> str | None:
         if m:
             return m.group(1)
     return None
+
+
+def _summarize(source: str, hits: list[str]) -> list[str]:
+    if not hits:
+        return []
+    more = f" (+{len(hits) - 1} more)" if len(hits) > 1 else ""
+    return [f"{source}: {hits[0]}{more}"]
 
 
 def detect_container(root: str = "/", environ: Mapping[str, str] | None = None) -> ContainerInfo:
@@ -454,18 +457,25 @@ def detect_container(root: str = "/", environ: Mapping[str, str] | None = None) 
         m = re.search(r'^id="([0-9a-f]+)"', text, re.M)
         cid = cid or (m.group(1) if m else None)
 
+    # One evidence line per source: a v1 cgroup file repeats the same path for every controller.
+    cgroup_hits: list[str] = []
     for line in (_read_text(_path(root, "proc/self/cgroup")) or "").splitlines():
         # v1: "12:devices:/docker/<id>"; v2: "0::/system.slice/docker-<id>.scope". A bare "/"
         # (host, or a private cgroup namespace) carries no evidence either way.
         _, _, cgpath = line.partition(":")
         _, _, cgpath = cgpath.partition(":")
+        if cgpath.rstrip("/").endswith(".service"):
+            continue  # docker.service / containerd.service: the host daemon itself, not a container
         for marker, runtime in _CGROUP_MARKERS:
             if marker in cgpath:
-                evidence.append(f"/proc/self/cgroup: {line.strip()}")
+                cgroup_hits.append(line.strip())
                 runtimes.append(runtime)
                 cid = cid or _find_id(cgpath)
                 break
 
+    evidence.extend(_summarize("/proc/self/cgroup", cgroup_hits))
+
+    mount_hits: list[str] = []
     for line in (_read_text(_path(root, "proc/self/mountinfo")) or "").splitlines():
         # "36 35 98:0 <root> <mount point> <opts> ... - <fstype> <source> <super opts>"
         pre, sep, post = line.partition(" - ")
@@ -477,10 +487,12 @@ def detect_container(root: str = "/", environ: Mapping[str, str] | None = None) 
             evidence.append("/proc/self/mountinfo: overlay root filesystem")
         for marker, runtime in _MOUNT_MARKERS:
             if marker in parts[3]:
-                evidence.append(f"/proc/self/mountinfo: {parts[4]} mounted from {parts[3]}")
+                mount_hits.append(f"{parts[4]} mounted from {parts[3]}")
                 runtimes.append(runtime)
                 cid = cid or _find_id(parts[3])
                 break
+
+    evidence.extend(_summarize("/proc/self/mountinfo", mount_hits))
 
     if env.get("KUBERNETES_SERVICE_HOST"):
         evidence.append(f"KUBERNETES_SERVICE_HOST={env['KUBERNETES_SERVICE_HOST']}")
@@ -596,6 +608,12 @@ def _probe_torch() -> tuple[GpuInfo, ...]:
         return ()
 
 
+def _gpu_drivers() -> tuple[bool, bool]:
+    """(NVIDIA driver present, ROCm driver present), from device nodes: no library is loaded."""
+    nvidia = os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia")
+    return nvidia, os.path.exists("/dev/kfd")
+
+
 def probe_gpus(*, root: str = "/", environ: Mapping[str, str] | None = None) -> tuple[GpuInfo, ...]:
     """Visible GPUs with their peer-to-peer matrix; never raises.
 
@@ -611,8 +629,7 @@ def probe_gpus(*, root: str = "/", environ: Mapping[str, str] | None = None) -> 
     if os.path.abspath(root) != "/":
         return ()
     env = os.environ if environ is None else environ
-    nvidia = os.path.exists("/dev/nvidiactl") or os.path.isdir("/proc/driver/nvidia")
-    rocm = os.path.exists("/dev/kfd")
+    nvidia, rocm = _gpu_drivers()
     if not nvidia and not rocm:
         return ()
     if nvidia:

@@ -378,7 +378,8 @@ def tensorpipe_options(
 
     channels = []
     if cuda and local.gpus:
-        blocked = [why for r in peers if same_host(r) for why in [_across_containers(local, r)] if why]
+        blocked = [_across_containers(local, r) for r in peers if same_host(r)]
+        blocked = [why for why in blocked if why]
         if blocked:
             # TensorPipe matches cuda_ipc by boot id alone: it would pick it for the
             # cross-container peer too, and fail there.

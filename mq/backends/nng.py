@@ -212,8 +212,12 @@ class NngMQ(MQ):
         remote = Locality.from_dict(info.get("locality") or {})
         same_process = remote.pid == self.locality.pid and remote.boot_id == self.locality.boot_id
         supported = SUPPORTED_ROUTES if self.protocol == "auto" else ("inproc", self.protocol)
-        route = select_route(self.locality, remote, supported=supported, peer=peer_id,
-                             same_process=same_process)
+        try:
+            route = select_route(self.locality, remote, supported=supported, peer=peer_id,
+                                 same_process=same_process)
+        except ConfigError as exc:  # e.g. protocol=ipc towards another host: say so, use tcp
+            log.error("node %d: %s; using tcp to node %d", self.node_id, exc, peer_id)
+            route = select_route(self.locality, remote, supported=("tcp",), peer=peer_id)
         addresses = info.get("addresses") or {}
         address = addresses.get(route.kind) or addresses.get("tcp")
         with self._net_lock:

@@ -1,0 +1,131 @@
+"""`mq run`: start this machine's workers of a job. Thin: parse options, call mq.launch."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from mq.errors import ConfigError, MQError
+
+MQ_TYPES = ("nng", "torchrpc:cpu", "torchrpc:cuda")
+
+
+class OneLineErrors(click.Command):
+    """Bad input exits 2 with one line saying what was wrong (no usage dump)."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        kwargs["standalone_mode"] = False
+        try:
+            return super().main(*args, **kwargs)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("mq run: aborted", err=True)
+            sys.exit(130)
+        except click.ClickException as exc:
+            click.echo(f"mq run: error: {exc.format_message()}", err=True)
+            sys.exit(2)
+
+
+def _int_list(value: str | None, what: str) -> list[int] | None:
+    if value is None or value == "":
+        return None
+    out = []
+    for token in value.split(","):
+        token = token.strip()
+        if not token.isdigit():
+            raise ConfigError(f"{what} {value!r}: {token!r} is not a non-negative integer "
+                              f"(expected a comma-separated list such as 0,1,2)")
+        out.append(int(token))
+    return out
+
+
+@click.command(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--main", "main_", required=True, metavar="MODULE:FUNC",
+              help="Function each worker runs as main(ctx); module:func or module.func.")
+@click.option("--package", default=None, metavar="DIR|PKG",
+              help="Directory added to sys.path, or package --main is relative to.")
+@click.option("--parallel-workers", "-n", type=int, default=1, show_default=True,
+              help="Workers (nodes) to start on this machine.")
+@click.option("--mq-type", default="nng", show_default=True, metavar="|".join(MQ_TYPES),
+              help="Backend: nng, torchrpc:cpu (GPU tensors staged via host) or torchrpc:cuda "
+                   "(device to device through device maps).")
+@click.option("--topology", default="mesh", show_default=True, metavar="mesh|star|alone",
+              help="Who connects to whom: every pair, everyone to the first node, or nobody.")
+@click.option("--protocol", default="auto", show_default=True, metavar="auto|tcp|ipc",
+              help="nng: auto picks the best route per peer (inproc/ipc/tcp); tcp or ipc force one.")
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="Host/IP this machine's workers listen on.")
+@click.option("--ports", default=None, metavar="P[,P...]",
+              help="Listen ports, one per worker or a base port (consecutive). "
+                   "Default: ephemeral ports found through a rendezvous store.")
+@click.option("--attach-to", default=None, metavar="ADDR[,ADDR...]",
+              help="nng: extra peer addresses to join, e.g. tcp://10.0.0.1:50515.")
+@click.option("--node-ids", default=None, metavar="ID[,ID...]",
+              help="Node ids of this machine's workers (one per worker, or a start id). Default 0..n-1.")
+@click.option("--labels", multiple=True, metavar="LABEL[,LABEL]",
+              help="Roles such as learner or collector. Once: for every worker; repeated once per "
+                   "worker: per worker in order.")
+@click.option("--world-size", type=int, default=None,
+              help="Nodes in the whole job (all machines). Default: max node id + 1.")
+@click.option("--init-method", default=None, metavar="tcp://H:P|env://|file://PATH",
+              help="Rendezvous for torchrpc (and nng without --ports).")
+@click.option("--local-cuda-devices", default=None, metavar="0,1",
+              help="torchrpc:cuda: logical GPU indices this node uses.")
+@click.option("--cuda-device-map", default=None, metavar="PEER_LOCAL_PEERGPU,...",
+              help="torchrpc:cuda: device map, e.g. 1_0_1,2_0_2 (peer 1: local GPU 0 -> its GPU 1).")
+@click.option("--platform", default="local", show_default=True, metavar="local|slurm|k8s",
+              help="Derive node ids, addresses and ports from the scheduler's environment.")
+@click.option("--startup-interval", type=float, default=0.0, show_default=True,
+              help="Seconds between starting workers.")
+@click.option("--log-level", default="WARNING", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="Log level of the workers.")
+@click.option("--timeout", "job_timeout", type=float, default=None,
+              help="Stop the job after this many seconds (default: no limit).")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run(main_: str, package: str | None, parallel_workers: int, mq_type: str, topology: str,
+        protocol: str, address: str, ports: str | None, attach_to: str | None, node_ids: str | None,
+        labels: tuple[str, ...], world_size: int | None, init_method: str | None,
+        local_cuda_devices: str | None, cuda_device_map: str | None, platform: str,
+        startup_interval: float, log_level: str, job_timeout: float | None, args: tuple[str, ...]) -> None:
+    """Launch this machine's workers of a job; each runs MAIN(ctx) with its open queue.
+
+    Extra ARGS after `--` reach the workers as ctx.args["argv"].
+
+    \b
+    Example (3 nodes on this machine):
+      mq run --main mq.demo:main -n 3 --labels learner --labels collector --labels collector
+    """
+    from mq import device_map
+    from mq.launch import make_plan, run_plan
+    from mq.backends.nng import check_address
+
+    try:
+        attach = [check_address(a.strip(), "--attach-to address") for a in (attach_to or "").split(",") if a.strip()]
+        if len(labels) > 1 and len(labels) != parallel_workers:
+            raise ConfigError(f"--labels given {len(labels)} times for {parallel_workers} workers: "
+                              "give it once (all workers) or once per worker")
+        plan = make_plan(
+            main_, n_workers=parallel_workers, mq_type=mq_type, topology=topology,
+            labels=list(labels) if len(labels) > 1 else (labels[0] if labels else None),
+            node_ids=_int_list(node_ids, "--node-ids"), world_size=world_size, protocol=protocol,
+            address=address, ports=_int_list(ports, "--ports"), attach_to=attach,
+            init_method=init_method,
+            local_cuda_devices=device_map.parse_devices(local_cuda_devices) if local_cuda_devices else None,
+            cuda_device_map=cuda_device_map, platform=platform, startup_interval=startup_interval,
+            log_level=log_level, package=package, args={"argv": list(args)})
+        if cuda_device_map and mq_type == "torchrpc:cuda":
+            device_map.parse(cuda_device_map, plan.node_ids[0], plan.options[plan.node_ids[0]].get("local_cuda_devices"))
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        run_plan(plan, deadline_s=job_timeout)
+    except KeyboardInterrupt:
+        click.echo("mq run: interrupted; workers stopped", err=True)
+        sys.exit(130)
+    except MQError as exc:
+        click.echo(f"mq run: {exc}", err=True)
+        sys.exit(1)

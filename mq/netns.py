@@ -1,0 +1,293 @@
+"""A second "host" on this machine: a network namespace joined to this one by a veth pair.
+
+``mq bench --two-hosts`` (and tests of cross-host behaviour) run the peer process in its own
+network, PID and IPC namespaces, so every same-host shortcut is closed to it: no loopback, no
+abstract unix sockets, no shared memory segments, no cross-process memory reads
+(TensorPipe's ``cma`` channel). What it can reach is this host's end of the veth, a /24 of
+10.77.X.0 chosen so that it clashes with no address this host already has.
+
+    with TwoHosts() as hosts:                     # ip netns add, veth pair, addresses
+        cmd = hosts.command(["python", "peer.py"])   # ip netns exec NS unshare --pid --ipc ...
+        exe = hosts.wrapper()                     # the same, as an executable for spawn
+    # namespace and links are gone here, also after an exception or Ctrl-C
+
+Names carry the owning process id (``mqbench-<pid>-<n>``, links ``mqb<pid>h<n>`` /
+``mqb<pid>p<n>``), so :func:`cleanup_stale` removes what a crashed run left behind without
+touching a namespace a concurrent run still uses.
+
+Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN), ``ip`` (iproute2) and ``unshare`` (util-linux);
+:func:`unavailable` says which one is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import itertools
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Iterator, Sequence
+
+from mq.errors import MQError
+
+__all__ = [
+    "NS_PREFIX",
+    "NetnsError",
+    "TwoHosts",
+    "cleanup_stale",
+    "list_namespaces",
+    "list_links",
+    "signals_raise",
+    "unavailable",
+]
+
+NS_PREFIX = "mqbench-"
+LINK_PREFIX = "mqb"
+_NAME_RE = re.compile(rf"^{re.escape(NS_PREFIX)}(\d+)-(\d+)$")
+_LINK_RE = re.compile(rf"^{LINK_PREFIX}(\d+)[hp](\d+)$")
+_counter = itertools.count()
+_IP_TIMEOUT_S = 20.0
+
+
+class NetnsError(MQError):
+    """Namespaces cannot be made here, or an ``ip`` command failed (the message says why)."""
+
+
+def unavailable() -> str | None:
+    """Why a second host cannot be made here, or None when it can."""
+    if sys.platform != "linux":
+        return f"network namespaces need Linux (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "network namespaces need root (CAP_NET_ADMIN/CAP_SYS_ADMIN): run as root, e.g. with sudo"
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
+        if shutil.which(tool) is None:
+            return f"`{tool}` not found: install {package}"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = ["ip", *args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise NetnsError(f"`{shlex.join(cmd)}` did not finish within {_IP_TIMEOUT_S:g}s") from None
+    if check and done.returncode != 0:
+        raise NetnsError(f"`{shlex.join(cmd)}` failed: {done.stderr.strip() or done.returncode}")
+    return done
+
+
+def list_namespaces(prefix: str = NS_PREFIX) -> list[str]:
+    """Named network namespaces starting with ``prefix``."""
+    done = _ip("netns", "list", check=False)
+    names = [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+    return sorted(n for n in names if n.startswith(prefix))
+
+
+def list_links(prefix: str = LINK_PREFIX) -> list[str]:
+    """Links of this network namespace whose name matches mq's veth names."""
+    done = _ip("-o", "link", "show", check=False)
+    out = []
+    for line in done.stdout.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) >= 2:
+            name = parts[1].strip().split("@")[0]
+            if name.startswith(prefix) and _LINK_RE.match(name):
+                out.append(name)
+    return sorted(out)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_stale(*, all_owners: bool = False) -> list[str]:
+    """Remove namespaces and veth links left by runs whose process is gone.
+
+    Args:
+        all_owners: also remove those of live processes (only when nothing else uses them).
+
+    Returns:
+        The names removed.
+    """
+    if unavailable():
+        return []
+    removed = []
+    for name in list_namespaces():
+        m = _NAME_RE.match(name)
+        if m and (all_owners or not _pid_alive(int(m.group(1)))):
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
+    for link in list_links():
+        m = _LINK_RE.match(link)
+        if m and (all_owners or not _pid_alive(int(m.group(1)))):
+            _ip("link", "del", link, check=False)
+            removed.append(link)
+    return removed
+
+
+def _used_subnets() -> set[int]:
+    """Third octets X of 10.77.X.0/24 networks this namespace already has addresses in."""
+    done = _ip("-o", "-4", "addr", "show", check=False)
+    used = set()
+    for m in re.finditer(r"inet (10\.77\.(\d+)\.\d+)/", done.stdout):
+        used.add(int(m.group(2)))
+    return used
+
+
+class TwoHosts:
+    """A network namespace plus a veth pair to it; a context manager that removes both.
+
+    Attributes:
+        name: the namespace (``ip netns exec NAME ...``).
+        host_if, peer_if: the veth ends, in this namespace and in ``name``.
+        host_addr, peer_addr: their IPv4 addresses (one /24).
+    """
+
+    def __init__(self, *, subnet: str | None = None, mtu: int | None = None):
+        reason = unavailable()
+        if reason:
+            raise NetnsError(f"cannot make a second host: {reason}")
+        pid, n = os.getpid(), next(_counter)
+        self.name = f"{NS_PREFIX}{pid}-{n}"
+        self.host_if = f"{LINK_PREFIX}{pid}h{n}"
+        self.peer_if = f"{LINK_PREFIX}{pid}p{n}"
+        if len(self.host_if) > 15:  # IFNAMSIZ - 1
+            raise NetnsError(f"link name {self.host_if!r} is longer than 15 characters")
+        self._subnet = subnet
+        self.mtu = mtu
+        self.host_addr = ""
+        self.peer_addr = ""
+        self.prefixlen = 24
+        self._wrappers: list[str] = []
+        self._up = False
+        self._lock = threading.Lock()
+
+    # -------------------------------------------------------------- lifecycle
+    def create(self) -> "TwoHosts":
+        cleanup_stale()
+        if self._subnet:
+            net = ipaddress.ip_network(self._subnet, strict=False)
+        else:
+            used = _used_subnets()
+            start = os.getpid() % 254
+            free = next((x for x in ((start + i) % 254 + 1 for i in range(254)) if x not in used), None)
+            if free is None:
+                raise NetnsError("no free 10.77.X.0/24 subnet left for the veth pair")
+            net = ipaddress.ip_network(f"10.77.{free}.0/24")
+        hosts = list(itertools.islice(net.hosts(), 2))
+        self.host_addr, self.peer_addr, self.prefixlen = str(hosts[0]), str(hosts[1]), net.prefixlen
+        self._up = True  # from here on, remove() cleans whatever part exists
+        try:
+            _ip("netns", "add", self.name)
+            _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.peer_if, "netns", self.name)
+            if self.mtu:
+                _ip("link", "set", self.host_if, "mtu", str(self.mtu))
+                _ip("-n", self.name, "link", "set", self.peer_if, "mtu", str(self.mtu))
+            _ip("addr", "add", f"{self.host_addr}/{self.prefixlen}", "dev", self.host_if)
+            _ip("link", "set", self.host_if, "up")
+            _ip("-n", self.name, "addr", "add", f"{self.peer_addr}/{self.prefixlen}", "dev", self.peer_if)
+            _ip("-n", self.name, "link", "set", self.peer_if, "up")
+            _ip("-n", self.name, "link", "set", "lo", "up")
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def remove(self) -> None:
+        """Delete the namespace, the links and the wrappers. Idempotent; never raises."""
+        with self._lock:
+            if not self._up:
+                return
+            self._up = False
+        with contextlib.suppress(Exception):
+            _ip("netns", "del", self.name, check=False)
+        with contextlib.suppress(Exception):
+            if self.host_if in list_links():
+                _ip("link", "del", self.host_if, check=False)
+        for path in self._wrappers:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._wrappers.clear()
+
+    def __enter__(self) -> "TwoHosts":
+        return self.create()
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    @property
+    def exists(self) -> bool:
+        return self.name in list_namespaces()
+
+    # -------------------------------------------------------------- running in it
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run as the second host: own network, PID and IPC namespaces (and a mount
+        namespace with its own /proc). The child dies with the ``unshare`` process."""
+        return ["ip", "netns", "exec", self.name, "unshare", "--pid", "--ipc", "--fork",
+                "--mount-proc", "--kill-child", *argv]
+
+    def wrapper(self, python: str | None = None) -> str:
+        """An executable that runs ``python "$@"`` as the second host; give it to
+        :func:`multiprocessing.spawn.set_executable` to spawn workers there."""
+        fd, path = tempfile.mkstemp(prefix=f"{self.name}-", suffix=".sh")
+        with os.fdopen(fd, "w") as f:
+            f.write("#!/bin/sh\nexec " + shlex.join(self.command([python or sys.executable])) + ' "$@"\n')
+        os.chmod(path, 0o700)
+        self._wrappers.append(path)
+        return path
+
+    def link_bytes(self) -> int:
+        """Bytes sent plus received on this host's end of the veth so far."""
+        total = 0
+        for what in ("tx_bytes", "rx_bytes"):
+            try:
+                with open(f"/sys/class/net/{self.host_if}/statistics/{what}") as f:
+                    total += int(f.read())
+            except (OSError, ValueError):
+                return -1
+        return total
+
+    def __repr__(self) -> str:
+        return (f"<TwoHosts {self.name} {self.host_if}={self.host_addr} <-> "
+                f"{self.peer_if}={self.peer_addr}/{self.prefixlen}>")
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into SystemExit (SIGINT already raises KeyboardInterrupt) for
+    the duration, so ``finally`` blocks (namespace removal, killing workers) run on them.
+    Only in the main thread; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            old[sig] = signal.signal(sig, raise_exit)
+        except (ValueError, OSError):
+            pass
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
+        old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, handler)

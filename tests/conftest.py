@@ -1,0 +1,49 @@
+"""Shared test setup: every test is bounded, GPU tests skip without a GPU, and no test may
+leave child processes behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (skipped without one)")
+    config.addinivalue_line("markers", "netns: needs root and iproute2 to create network namespaces")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    skip = pytest.mark.skip(reason="no CUDA GPU visible")
+    for item in items:
+        if "cuda" in item.keywords and not has_gpu:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_children():
+    """Fail a test that leaves child processes running."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    yield
+    leaked = [p for p in multiprocessing.active_children() if p.pid not in before]
+    for p in leaked:
+        p.kill()
+        p.join(2)
+    assert not leaked, f"test left {len(leaked)} child process(es) running: {leaked}"
+
+
+@pytest.fixture
+def tmp_env(monkeypatch):
+    """A clean place for environment changes."""
+    return monkeypatch
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"mq tests: pid {os.getpid()}"

@@ -1,0 +1,201 @@
+"""Codec: every payload kind round-trips; nothing is pickled unless asked; malformed frames
+raise ProtocolError and nothing else."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from mq.codec import MSG, Codec
+from mq.errors import EncodeError, ProtocolError
+from mq.testing import _same, sample_payload
+
+pytestmark = pytest.mark.timeout(120)
+
+TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+                torch.complex128]
+
+
+def roundtrip(payload, codec=None):
+    codec = codec or Codec()
+    frame = codec.encode(MSG, "t", 3, 9, 0, payload).to_bytes()
+    env = codec.decode(frame)
+    assert (env.kind, env.topic, env.sender, env.seq) == (MSG, "t", 3, 9)
+    return env.payload
+
+
+def test_sample_payload_roundtrips():
+    assert _same(sample_payload(), roundtrip(sample_payload()))
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (2, 3, 4)])
+def test_tensor_dtypes_and_shapes(dtype, shape):
+    t = (torch.rand(shape) * 10).to(dtype) if dtype != torch.bool else torch.rand(shape) > 0.5
+    out = roundtrip(t)
+    assert out.dtype == dtype and out.shape == t.shape and torch.equal(out, t)
+
+
+def test_non_contiguous_conj_and_grad_tensors():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    assert torch.equal(roundtrip(base.t()[1:, ::2]), base.t()[1:, ::2])
+    z = torch.tensor([1 + 2j, 3 - 1j]).conj()
+    assert torch.equal(roundtrip(z), z.resolve_conj())
+    g = torch.ones(3, requires_grad=True) * 2
+    assert not roundtrip(g).requires_grad and torch.equal(roundtrip(g), g.detach())
+
+
+def test_arrays_travel_out_of_band():
+    arr = np.arange(1 << 20, dtype=np.uint8)
+    enc = Codec().encode(MSG, "t", 0, 0, 0, {"a": arr})
+    assert len(enc.header) < 200, "array bytes must not be copied into the msgpack header"
+    assert enc.size >= arr.nbytes
+
+
+def test_received_arrays_are_writable_views():
+    out = Codec().decode(Codec().encode(MSG, "t", 0, 0, 0, np.ones(8)).to_bytes()).payload
+    out[0] = 5  # a user may train on what it received in place
+    assert out[0] == 5
+
+
+def test_cuda_tensor_arrives_on_same_index_or_cpu():
+    # A CUDA tensor is staged to host by the sender; the receiver puts it back on the same
+    # device index when it has that GPU, on the CPU otherwise (documented behaviour).
+    tree = msgpack.packb(msgpack.ExtType(3, msgpack.packb(["float32", [2], 0, "cuda:3"])))
+    out = Codec().unpack(tree, [memoryview(bytearray(np.ones(2, np.float32).tobytes()))])
+    assert torch.equal(out.cpu(), torch.ones(2))
+    assert out.device.type == ("cuda" if torch.cuda.device_count() > 3 else "cpu")
+
+
+class Custom:
+    pass
+
+
+def test_unknown_type_fails_at_send_naming_type_and_opt_in():
+    with pytest.raises(EncodeError, match=r"test_codec\.Custom.*allow_pickle=True"):
+        Codec().encode(MSG, "t", 0, 0, 0, {"x": [Custom()]})
+    with pytest.raises(EncodeError, match="object"):
+        Codec().encode(MSG, "t", 0, 0, 0, np.array([Custom()], dtype=object))
+
+
+def test_pickle_needs_opt_in_on_the_receiving_side():
+    frame = Codec(allow_pickle=True).encode(MSG, "t", 0, 0, 0, {"fn": len}).to_bytes()
+    with pytest.raises(ProtocolError, match="does not unpickle"):
+        Codec().decode(frame)
+    assert Codec(allow_pickle=True).decode(frame).payload == {"fn": len}
+
+
+def test_pickle_bomb_is_not_executed():
+    class Bomb:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('pwned')",))
+
+    frame = Codec(allow_pickle=True).encode(MSG, "t", 0, 0, 0, Bomb()).to_bytes()
+    with pytest.raises(ProtocolError):
+        Codec().decode(frame)
+
+
+def good_frame():
+    return Codec().encode(MSG, "t", 0, 0, 0, {"a": np.arange(10), "t": torch.ones(3)}).to_bytes()
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda f: f[:3],                                    # shorter than the length prefix
+    lambda f: f[:20],                                   # truncated header
+    lambda f: struct.pack("<I", 10**9) + f[4:],         # header length overruns
+    lambda f: f[:-5],                                   # truncated buffer
+    lambda f: struct.pack("<I", 3) + b"\xc1\xc1\xc1",   # invalid msgpack
+    lambda f: b"\x00" * 64,
+    lambda f: struct.pack("<I", 2) + msgpack.packb([9]),
+], ids=["tiny", "trunc-header", "overrun", "trunc-buffer", "bad-msgpack", "zeros", "wrong-shape"])
+def test_malformed_frames_raise_protocol_error(mutate):
+    with pytest.raises(ProtocolError):
+        Codec().decode(mutate(bytes(good_frame())))
+
+
+def test_oversized_frame_is_refused():
+    with pytest.raises(ProtocolError, match="max_frame_bytes"):
+        Codec(max_frame_bytes=100).decode(good_frame())
+
+
+def test_object_dtype_from_network_is_refused():
+    codec = Codec()
+    tree = msgpack.packb(msgpack.ExtType(2, msgpack.packb(["|O", [1], 0])))
+    head = msgpack.packb([1, MSG, "t", 0, 0, 0, tree, [[64, 8]]], use_bin_type=True)
+    frame = struct.pack("<I", len(head)) + head + b"\x00" * (64 - 4 - len(head)) + b"\x01" * 8
+    with pytest.raises(ProtocolError, match="object"):
+        codec.decode(frame)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_never_crash_the_decoder(data):
+    try:
+        Codec().decode(data)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2000), st.binary(min_size=1, max_size=8))
+def test_corrupted_valid_frames_never_crash(pos, junk):
+    frame = bytearray(good_frame())
+    pos = pos % len(frame)
+    frame[pos:pos + len(junk)] = junk
+    try:
+        Codec().decode(bytes(frame))
+    except ProtocolError:
+        pass
+
+
+leaves = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=False),
+    st.text(max_size=20), st.binary(max_size=40),
+    hnp.arrays(hnp.scalar_dtypes().filter(lambda d: d.kind != "O"),
+               hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)),
+)
+trees = st.recursive(leaves, lambda kids: st.one_of(
+    st.lists(kids, max_size=4), st.tuples(kids, kids),
+    st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 5)), kids, max_size=4)), max_leaves=12)
+
+
+def _eq(a, b):
+    if isinstance(a, np.ndarray):
+        return (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+                and a.tobytes() == b.tobytes())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_eq(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_eq, a, b))
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=150, deadline=None)
+@given(trees)
+def test_property_any_payload_tree_roundtrips(payload):
+    assert _eq(payload, roundtrip(payload))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(TORCH_DTYPES), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5),
+       st.booleans())
+def test_property_tensors_roundtrip(dtype, shape, transpose):
+    t = torch.randint(0, 2 if dtype == torch.bool else 100, shape).to(dtype)
+    if transpose and t.dim() >= 2:
+        t = t.transpose(0, 1)
+    out = roundtrip({"t": t})["t"]
+    assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
+
+
+def test_pickle_module_not_used_by_default(monkeypatch):
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("pickle.loads called"))
+    assert _same(sample_payload(), roundtrip(sample_payload()))
