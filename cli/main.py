@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+from typing import Any
 
 import click
 
@@ -21,6 +23,23 @@ class _LazyGroup(click.Group):
             return None
         module = importlib.import_module(f"mq.cli.{_COMMANDS[name]}")
         return getattr(module, name)
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Bad input exits 2 with one line saying what was wrong (no usage dump)."""
+        kwargs["standalone_mode"] = False
+        try:
+            rv = super().main(*args, **kwargs)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("mq: aborted", err=True)
+            sys.exit(130)
+        except click.ClickException as exc:
+            ctx = getattr(exc, "ctx", None)
+            prefix = f"mq {ctx.info_name}" if ctx is not None and ctx.parent is not None else "mq"
+            click.echo(f"{prefix}: error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 @click.group(cls=_LazyGroup)

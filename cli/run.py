@@ -12,23 +12,6 @@ from mq.errors import ConfigError, MQError
 MQ_TYPES = ("nng", "torchrpc:cpu", "torchrpc:cuda")
 
 
-class OneLineErrors(click.Command):
-    """Bad input exits 2 with one line saying what was wrong (no usage dump)."""
-
-    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        kwargs["standalone_mode"] = False
-        try:
-            return super().main(*args, **kwargs)
-        except click.exceptions.Exit as exc:
-            sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("mq run: aborted", err=True)
-            sys.exit(130)
-        except click.ClickException as exc:
-            click.echo(f"mq run: error: {exc.format_message()}", err=True)
-            sys.exit(2)
-
-
 def _int_list(value: str | None, what: str) -> list[int] | None:
     if value is None or value == "":
         return None
@@ -42,7 +25,7 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
     return out
 
 
-@click.command(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--main", "main_", required=True, metavar="MODULE:FUNC",
               help="Function each worker runs as main(ctx); module:func or module.func.")
 @click.option("--package", default=None, metavar="DIR|PKG",

@@ -242,7 +242,12 @@ class Codec:
         if not isinstance(index, int) or not 0 <= index < len(buffers):
             raise ProtocolError(f"tensor refers to buffer {index!r}, frame has {len(buffers)}")
         buf = buffers[index]
-        if _is_tensor(buf):
+        if _is_tensor(buf):  # keep_tensors transports (torch RPC) deliver tensor objects
+            if buf.dtype != dtype or list(buf.shape) != shape:
+                raise ProtocolError(f"tensor buffer {index} is {buf.dtype} {list(buf.shape)}, "
+                                    f"the header says {dtype_name} {shape}")
+            if buf.device.type != "cpu":
+                return buf  # the transport's device map already put it where it belongs
             t = buf
         else:
             _check_size(shape, dtype.itemsize, len(buf))

@@ -141,6 +141,7 @@ class MQ:
             return
         self._state = "stopping"
         deadline = time.monotonic() + timeout
+        self._farewell(deadline)
         try:
             self._close_transport(max(0.1, deadline - time.monotonic()))
         except Exception:  # never let a broken transport keep the node alive
@@ -153,6 +154,31 @@ class MQ:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._dispatcher is not None:
             self._dispatcher.join(max(0.0, deadline - time.monotonic()))
+
+    def _farewell(self, deadline: float) -> None:
+        """Tell every live peer we leave and wait for its answer: links are FIFO, so an answer
+        means everything sent before it was received, and closing loses nothing."""
+        waiting = []
+        for peer in self._live_peers():
+            corr = next(self._call_ids)
+            fut: Future = Future()
+            with self._lock:
+                self._calls[corr] = (peer, fut)
+            try:
+                bye = self._encode(BYE, "", None, corr)
+                self._transmit(peer, bye, max(0.0, min(1.0, deadline - time.monotonic())))
+                waiting.append((corr, fut))
+            except Exception as exc:  # a dead peer must not delay our stop
+                log.debug("node %d: no farewell to node %d: %s", self.node_id, peer, exc)
+                with self._lock:
+                    self._calls.pop(corr, None)
+        for corr, fut in waiting:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic() - 0.5))
+            except Exception:
+                pass
+            with self._lock:
+                self._calls.pop(corr, None)
 
     def __enter__(self) -> "MQ":
         return self.listen()
@@ -388,6 +414,10 @@ class MQ:
                     peer.subscriptions = frozenset(t for t in topics if isinstance(t, str))
                     self._peers_changed.notify_all()
         elif env.kind == BYE:
+            try:  # answer first: the peer waits for it before closing its links
+                self._transmit(env.sender, self._encode(REP_OK, "", None, env.corr), 1.0)
+            except Exception as exc:
+                log.debug("node %d: could not answer the farewell of node %d: %s", self.node_id, env.sender, exc)
             self._peer_lost(env.sender, "stopped (it called stop())")
         else:
             self._on_control(env)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from mq.errors import ConfigError, MQError, Timeout
 from mq.registry import check_mq_type, create
-from mq.rendezvous import TOPOLOGIES, attach_targets
+from mq.rendezvous import TOPOLOGIES, attach_targets, parse_init_method
 
 log = logging.getLogger("mq.launch")
 
@@ -176,6 +176,8 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int = 1, mq_type: st
         raise ConfigError(f"protocol must be auto, tcp or ipc, got {protocol!r}")
     if startup_interval < 0:
         raise ConfigError(f"startup interval must be >= 0 seconds, got {startup_interval}")
+    if init_method:
+        parse_init_method(init_method, environ)
     ref = main_ref(main)
     resolve_main(ref, package)  # fail in the launcher, with one line, not in every worker
     from mq import device_map
@@ -305,7 +307,7 @@ def _supervise(procs: dict[int, Any], deadline_s: float | None) -> dict[int, int
         if failures:
             _stop_all(procs)
             for n, p in procs.items():  # the ones we had to stop are not failures of their own
-                if n not in failures and p.exitcode not in (0, None, -signal.SIGTERM, -signal.SIGKILL):
+                if n not in failures and p.exitcode not in (0, None, 130, -signal.SIGTERM, -signal.SIGKILL):
                     failures[n] = p.exitcode
             return failures
         if not running:

@@ -56,6 +56,8 @@ class Args:
     exploration_fraction: float | None = None
     """fraction of total_steps over which epsilon decays from start_e to end_e"""
     eval_epsilon: float | None = None
+    eval_interval: float = 5.0
+    """seconds between the starts of the evaluator's greedy episodes"""
     max_grad_norm: float = 10.0
 
     # --- distribution

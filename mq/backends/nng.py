@@ -30,7 +30,7 @@ import pynng
 from pynng import ffi, lib
 from pynng.exceptions import check_err
 
-from mq.codec import HELLO, HELLO_ACK, BYE, Encoded, Envelope
+from mq.codec import HELLO, HELLO_ACK, Encoded, Envelope
 from mq.core import MQ, Peer
 from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError, Timeout
 from mq.locality import Locality, local
@@ -140,12 +140,6 @@ class NngMQ(MQ):
 
     def _close_transport(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        bye = self.codec.encode(BYE, "", self.node_id, 0, 0, None)
-        for peer in self._live_peers():
-            try:  # best effort: a peer that died must not delay our stop
-                self._send_encoded(peer, bye, min(0.2, max(0.0, deadline - time.monotonic())))
-            except Exception:
-                pass
         with self._net_lock:
             sockets = list(self._out.values()) + list(self._bootstrap.values())
             self._out.clear()

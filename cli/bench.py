@@ -1,0 +1,236 @@
+"""`mq bench`: the point-to-point latency table (see DESIGN.md, "Benchmarks").
+
+Thin: parses options into :class:`mq.bench.BenchConfig`, shows progress, prints or writes the
+:class:`mq.bench.Report`. The measuring lives in :mod:`mq.bench`, the second host in
+:mod:`mq.netns`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+
+from mq import bench as lib
+from mq.errors import ConfigError
+
+__all__ = ["bench"]
+
+FORMATS = ("table", "json", "csv", "md")
+SUITE_MAX_SECONDS = 90.0
+
+
+class _OneLineErrors(click.Command):
+    """Bad option values end with one line, ``Error: <reason>``, and exit code 2."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if exc.ctx is None:
+                raise
+            raise click.UsageError(exc.format_message()) from None
+
+
+def _fail(message: str) -> click.UsageError:
+    return click.UsageError(" ".join(str(message).split()))
+
+
+@click.command("bench", cls=_OneLineErrors)
+@click.option("--mq-type", "mq_types", multiple=True, metavar="TYPE",
+              help="nng, torchrpc:cpu, torchrpc:cuda; repeatable. Default: all (rows this machine "
+                   "cannot run are listed as skipped with the reason).")
+@click.option("--route", "routes", multiple=True, type=click.Choice(lib.NNG_ROUTES),
+              help="nng route (the nng `protocol` option); repeatable. Default: auto, tcp and ipc. "
+                   "torchrpc rows always use auto.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="where the payload tensor lives.")
+@click.option("--sizes", default=None, metavar="LIST",
+              help="comma-separated sizes, e.g. 1.25KB,20KB (binary units; at most 2.5GB). "
+                   "Default: 1.25KB,20KB,1.25MB,10MB,40MB,640MB,1.25GB.")
+@click.option("--max-seconds", type=float, default=None,
+              help=f"time limit per row and size, warm-up included; a row past it is reported as "
+                   f"skipped with its samples so far. Default 10 ({SUITE_MAX_SECONDS:g} with --suite).")
+@click.option("--target-seconds", type=float, default=2.0, show_default=True,
+              help="how long each row samples a size (samples adapt to the round-trip time).")
+@click.option("--min-samples", type=click.IntRange(1), default=5, show_default=True)
+@click.option("--max-samples", type=click.IntRange(1), default=2000, show_default=True)
+@click.option("--warmup", type=click.IntRange(1), default=5, show_default=True,
+              help="round trips per row and size not counted (at most ~1s of them).")
+@click.option("--two-hosts", is_flag=True,
+              help="run the peer in its own network, PID and IPC namespaces behind a veth pair "
+                   "(root and iproute2 needed).")
+@click.option("--suite", is_flag=True,
+              help="the full table: every mq type and route this machine has, same host and "
+                   "--two-hosts; writes json/csv/md/png into --out (default bench-results/).")
+@click.option("--no-baseline", is_flag=True, help="skip the raw pynng / raw torch RPC rows.")
+@click.option("--no-links", is_flag=True, help="skip the raw socket stream (link ceiling) measurement.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
+              help="what to print on stdout.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="also write bench.json, bench.csv and bench.md into this directory.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="write a PNG: latency vs size (log-log) and ratio vs size.")
+@click.option("-q", "--quiet", is_flag=True, help="no progress display.")
+def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], device: str, sizes: str | None,
+          max_seconds: float | None, target_seconds: float, min_samples: int, max_samples: int,
+          warmup: int, two_hosts: bool, suite: bool, no_baseline: bool, no_links: bool, fmt: str,
+          out_dir: str | None, plot_path: str | None, quiet: bool) -> None:
+    """Round-trip latency between two processes per mq type, route and size, against raw pynng
+    and raw torch RPC measured in the same run (interleaved), with the mq / raw p50 ratio."""
+    from mq.registry import MQ_TYPES, check_mq_type
+
+    try:
+        types = [check_mq_type(t) for t in (mq_types or MQ_TYPES)]
+        size_list = lib.parse_sizes(sizes) if sizes else list(lib.DEFAULT_SIZES)
+    except ConfigError as exc:
+        raise _fail(f"{'--mq-type' if 'mq type' in str(exc) else '--sizes'}: {exc}") from None
+    if max_seconds is not None and max_seconds <= 0:
+        raise _fail("--max-seconds must be positive")
+    if target_seconds <= 0:
+        raise _fail("--target-seconds must be positive")
+    if max_samples < min_samples:
+        raise _fail("--max-samples must be >= --min-samples")
+
+    hosts = ["same", "two"] if suite else (["two"] if two_hosts else ["same"])
+    if two_hosts and not suite:
+        from mq.netns import unavailable
+
+        reason = unavailable()
+        if reason:
+            raise click.ClickException(f"--two-hosts: {reason}")
+    devices: dict[str, str] = {}
+    if suite:
+        out_dir = out_dir or "bench-results"
+        plot_path = plot_path or os.path.join(out_dir, "bench.png")
+        if device == "cpu" and lib.cuda_available():
+            devices["torchrpc:cuda"] = "cuda"  # the point of that mq type
+    cfg = lib.BenchConfig(
+        mq_types=types, routes=list(routes) or list(lib.NNG_ROUTES), device=device, devices=devices,
+        sizes=size_list, hosts=hosts,
+        max_seconds=max_seconds if max_seconds is not None else (SUITE_MAX_SECONDS if suite else 10.0),
+        target_seconds=target_seconds, min_samples=min_samples, max_samples=max_samples,
+        warmup=warmup, baselines=not no_baseline, links=not no_links,
+    )
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+
+    try:
+        with _progress(quiet) as progress:
+            report = lib.run(cfg, progress=progress)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted: workers stopped, namespaces removed", err=True)
+        sys.exit(130)
+
+    written = []
+    if out_dir:
+        written += lib.write_all(report, out_dir)
+    if plot_path:
+        try:
+            written.append(lib.plot(report, plot_path))
+        except ImportError as exc:
+            click.echo(f"no plot: {exc} (pip install matplotlib)", err=True)
+    if fmt == "json":
+        click.echo(lib.to_json(report))
+    elif fmt == "csv":
+        click.echo(lib.to_csv(report), nl=False)
+    elif fmt == "md":
+        click.echo(lib.to_markdown(report))
+    else:
+        _print_tables(report)
+    for path in written:
+        click.echo(f"wrote {path}", err=True)
+
+
+# ------------------------------------------------------------------------------- progress
+class _progress:
+    """A rich progress display on stderr fed by mq.bench's progress events."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.bar: Any = None
+        self.task: Any = None
+
+    def __enter__(self) -> Any:
+        if self.quiet:
+            return None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                            MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+        self.bar.__enter__()
+        self.task = self.bar.add_task("starting workers", total=0)
+        return self.event
+
+    def event(self, e: dict[str, Any]) -> None:
+        kind = e.get("event")
+        if kind == "total":
+            total = (self.bar.tasks[0].total or 0) + e["add"]
+            self.bar.update(self.task, total=total)
+        elif kind == "advance":
+            self.bar.update(self.task, advance=1, description=e["text"])
+        elif kind in ("update", "group"):
+            self.bar.update(self.task, description=e["text"])
+        elif kind == "note":
+            self.bar.console.print(f"[dim]{e['text']}[/dim]")
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+# ------------------------------------------------------------------------------- tables
+def _ratio_style(r: dict[str, Any]) -> str:
+    ratio = r["ratio"]
+    if ratio is None:
+        return ""
+    limit = 1.15 if r["mq_type"] == "torchrpc:cpu" else (1.25 if r["mq_type"] == "nng" and r["size_bytes"] <= 20 * 1024 else 1.5)
+    return "green" if ratio <= limit else ("yellow" if ratio <= 1.5 else "red")
+
+
+def _print_tables(report: lib.Report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]mq bench[/bold]  {lib.machine_line(report.machine)}")
+    if report.links:
+        t = Table(title="link ceilings (raw socket stream, one direction)", title_justify="left")
+        for col in ("hosts", "link", "Gbit/s", "note"):
+            t.add_column(col)
+        for link in report.links:
+            t.add_row(link["hosts"], link["link"], "-" if link["gbps"] is None else f"{link['gbps']:.1f}",
+                      link.get("error") or "")
+        console.print(t)
+    t = Table(title="round trip (A send -> B recv+send -> A recv), ms", title_justify="left")
+    for col, just in (("row", "left"), ("size", "right"), ("samples", "right"), ("min", "right"),
+                      ("p50", "right"), ("p99", "right"), ("max", "right"), ("Gbit/s", "right"),
+                      ("raw p50", "right"), ("ratio", "right"), ("note", "left")):
+        t.add_column(col, justify=just, overflow="fold")
+    last = None
+    for r in report.rows:
+        label = lib.row_label(r)
+        if last is not None and label != last:
+            t.add_section()
+        style = _ratio_style(r)
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        t.add_row(label if label != last else "", r["size"], str(r["samples"]), lib.fmt_ms(r["min_ms"]),
+                  lib.fmt_ms(r["p50_ms"]), lib.fmt_ms(r["p99_ms"]), lib.fmt_ms(r["max_ms"]),
+                  "-" if r["gbps"] is None else f"{r['gbps']:.3g}", lib.fmt_ms(r["baseline_p50_ms"]),
+                  f"[{style}]{ratio}[/{style}]" if style else ratio, r["reason"] or "")
+        last = label
+    console.print(t)
+    for target in report.targets:
+        mark = ("[green]met[/green]" if target["met"] else
+                ("[dim]no data[/dim]" if not target["rows_checked"] else "[red]missed[/red]"))
+        console.print(f"{mark}: {target['target']} (worst: {target['worst']})")
+    for note in report.notes:
+        console.print(f"[dim]note: {note}[/dim]")

@@ -1,0 +1,824 @@
+"""torch RPC backend: ``torch.distributed.rpc`` on TensorPipe (mq types ``torchrpc:cpu`` and
+``torchrpc:cuda``).
+
+Every node is one RPC worker: rank = node id, worker name ``mq<node id>``, a static group of
+``world_size`` workers found through ``init_method`` (``tcp://``, ``env://``, ``file://``).
+torch allows one RPC agent per process, so one listening :class:`TorchRpcMQ` per process.
+
+Wire format
+-----------
+A frame is one RPC to the TorchScript function :func:`_deliver_script`, which calls the custom op
+``mq::deliver(int sender, int seq, int ack, Tensor header, Tensor[] buffers) -> int``:
+
+* ``header``: a CPU uint8 tensor holding msgpack ``[VERSION, kind, topic, corr, tree]``; ``tree``
+  is the codec's payload tree (see :mod:`mq.codec`).
+* ``buffers``: the codec's out-of-band buffers as RPC tensors (``Codec(keep_tensors=True)``):
+  numpy arrays and large bytes as flat uint8 tensors, torch tensors as themselves. With
+  ``torchrpc:cuda`` a CUDA tensor goes device to device through the TensorPipe device map for
+  that peer; without a map entry for its device (and always with ``torchrpc:cpu``) it is
+  copied to host first, and the receiver puts it back on the same device index if it has one.
+* ``seq``: the frame's number in the sender->receiver stream (0, 1, 2, ...; frame 0 is HELLO);
+  negative numbers are unordered control frames: -1 credit, -2 "I am blocked, credit me when
+  you consume", -3 heartbeat.
+* ``ack``: how many frames of the *receiver's* stream to the sender the sender has consumed
+  (credit piggybacked on every frame); the RPC's return value is the same count the other way.
+
+No pickle on the data path
+--------------------------
+torch RPC has three request kinds. A Python function target (``PYTHON_CALL``) is pickled with
+Python's pickle and the receiver unpickles it, which can run arbitrary code. A builtin
+operator and a TorchScript function (``SCRIPT_CALL``) are serialized with the TorchScript
+pickler: the receiver's TorchScript unpickler only rebuilds TorchScript values (ints, strings,
+tensors from the out-of-band tensor table, lists, tuples) and resolves nothing but TorchScript
+types, so it cannot run arbitrary code. Calling ``mq::deliver`` itself as a builtin does not
+work from Python: ``rpc_async`` only matches builtins in the ``aten`` namespace (torch
+2.13: "Failed to match operator name mq::deliver ... to a builtin operator"). So mq calls the
+scripted function ``_deliver_script`` (public ``rpc.rpc_async(to, script_fn, args)``), which
+travels as ``SCRIPT_CALL`` with only its qualified name and TorchScript arguments; on the
+receiver the TorchScript interpreter runs it and the op's Python kernel hands the frame to this
+module. Checked with traps on ``pickle.loads`` and torch's internal RPC pickler during a full
+exchange (``tests/test_torchrpc.py::test_data_path_never_unpickles``): neither runs on either
+side. The payload inside the frame is decoded by :class:`mq.codec.Codec` only, so nothing from
+the network is unpickled unless the user opted in with ``allow_pickle=True``.
+
+What torch itself still unpickles, and why that is acceptable: ``init_rpc`` builds the static
+group with a Gloo ``all_gather_object`` and one ``_all_gather`` round of Python-function RPCs
+(both pickled), and the TensorPipe agent will unpickle a ``PYTHON_CALL`` request from any
+process that connects to its port. That is torch RPC's own trust model: every member of one RPC
+group can run code in every other. mq never sends Python-function RPCs (shutdown is
+non-graceful, which skips torch's pickled shutdown round), but it cannot stop the agent from
+accepting them: run torchrpc only between nodes of one job on a network you trust, or use
+``nng``.
+
+Ordering and backpressure
+-------------------------
+TensorPipe runs incoming requests on a thread pool, so frames of one sender can be handled out
+of order. The receiver keeps, per sender, the next expected ``seq`` and the frames that came
+early, and passes frames in send order to one delivery thread (which runs
+:meth:`mq.core.MQ._deliver`, off TensorPipe's threads). The op never blocks: it parks the frame
+and returns. Flow control is by credit: a sender may have at most ``send_window`` frames, and
+``send_window_bytes`` bytes (one frame always fits), that the receiver has not yet consumed
+(handed to its queue or handler). Credit comes back in every RPC's return value and in every
+frame the other way; a blocked sender sends a -2 frame, and the receiver answers with a -1
+credit as soon as it consumes the next frame. A receiver whose queue is full stops consuming,
+so the sender's ``send`` waits up to its timeout and raises :class:`~mq.errors.Timeout` without
+having sent anything (nothing half-sent, nothing dropped). Receiver memory is bounded by
+``send_window`` frames per sender plus the queue.
+
+By default ``send`` copies array and tensor buffers before handing them to TensorPipe
+(``copy_on_send=True``), so the caller may change them as soon as ``send`` returns (a learner
+publishing weights and then stepping its optimizer in place). With ``copy_on_send=False`` no
+copy is made and ``send`` instead waits until the peer has the frame (bounded by
+``rpc_timeout``).
+
+Failures
+--------
+A failed RPC (the peer died: TensorPipe reports EOF or connection refused at once) marks the
+peer lost: later sends raise :class:`~mq.errors.PeerLost`, pending calls fail with it. A
+heartbeat (a -3 frame every ``heartbeat`` seconds) finds dead peers that nobody is sending to,
+so a ``call`` waiting on a killed peer fails within about a heartbeat. ``stop()`` says goodbye,
+waits for frames still in flight, then runs ``rpc.shutdown(graceful=False)`` in a daemon thread
+and abandons it at the deadline (torch's shutdown can hang when a peer died); the process can
+still exit afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any, Iterable, List, Mapping
+
+import msgpack
+import numpy as np
+import torch
+
+from mq import device_map
+from mq.codec import HELLO, KIND_NAMES, BYE, Codec, Envelope
+from mq.core import MQ, Peer
+from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
+from mq.locality import Locality, local
+from mq.rendezvous import parse_init_method
+from mq.routing import BACKEND_ROUTES, select_route, tensorpipe_options
+
+log = logging.getLogger("mq.torchrpc")
+
+WIRE_VERSION = 1
+_CREDIT, _WANT, _PING = -1, -2, -3  # unordered control frames (negative seq)
+_WANT_RETRY_S = 0.5  # a blocked sender asks again this often if no credit came
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+# ---------------------------------------------------------------------- the wire entry point
+def _deliver_impl(sender: int, seq: int, ack: int, header: torch.Tensor,
+                  buffers: List[torch.Tensor]) -> int:
+    """Python kernel of ``mq::deliver``: runs on a TensorPipe worker thread of the receiver."""
+    node = _ACTIVE
+    if node is None:
+        raise RuntimeError("mq: no torchrpc queue is listening in this process (it stopped)")
+    return node._on_rpc(sender, seq, ack, header, buffers)
+
+
+def _define_op() -> Any:
+    lib = torch.library.Library("mq", "DEF")
+    # CONSERVATIVE: the op has side effects; TorchScript must never drop or reorder the call.
+    lib.define("deliver(int sender, int seq, int ack, Tensor header, Tensor[] buffers) -> int",
+               alias_analysis="CONSERVATIVE")
+    lib.impl("deliver", _deliver_impl, "CompositeExplicitAutograd")
+    return lib
+
+
+_LIB = _define_op()
+
+
+def _deliver_script(sender: int, seq: int, ack: int, header: torch.Tensor,
+                    buffers: List[torch.Tensor]) -> int:
+    return torch.ops.mq.deliver(sender, seq, ack, header, buffers)
+
+
+with warnings.catch_warnings():  # torch.jit.script is deprecated in 2.x but still what RPC runs
+    warnings.simplefilter("ignore")
+    _deliver_script = torch.jit.script(_deliver_script)  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------- per-process agent
+_AGENT_LOCK = threading.Lock()
+_ACTIVE: "TorchRpcMQ | None" = None  # the queue owning this process's RPC agent
+
+
+def _rpc_agent_running() -> bool:
+    """Whether torch RPC was initialized in this process by someone other than mq."""
+    try:
+        from torch.distributed.rpc.api import _is_current_rpc_agent_set
+        return bool(_is_current_rpc_agent_set())
+    except Exception:  # private API moved: rely on our own bookkeeping
+        return False
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------------- frames
+@dataclass
+class _Outgoing:
+    """One encoded frame, shared by every peer it goes to (publish encodes once)."""
+
+    kind: int
+    header: torch.Tensor
+    buffers: list[torch.Tensor]
+    nbytes: int
+    borrowed: bool  # buffers alias caller memory (copy_on_send=False)
+    staged: dict[int, torch.Tensor] = field(default_factory=dict)  # CUDA buffer index -> host copy
+
+
+class _Link:
+    """Sender side of one stream (this node -> peer): sequence numbers and credit."""
+
+    def __init__(self, peer: int):
+        self.peer = peer
+        self.cond = threading.Condition(threading.RLock())
+        self.info: Any = None  # rpc.WorkerInfo
+        self.next_seq = 0
+        self.acked = 0  # frames the peer has consumed
+        self.sizes: collections.deque[tuple[int, int]] = collections.deque()  # (seq, nbytes) unacked
+        self.bytes = 0
+        self.pending = 0  # RPCs not yet answered
+        self.want_out = False
+        self.want_acked = -1
+        self.want_t = 0.0
+        self.ping_out = False
+        self.bye_sent = False
+        self.failed: str | None = None
+
+    def credit(self, consumed: Any) -> None:
+        if not isinstance(consumed, int):
+            return
+        with self.cond:
+            consumed = min(consumed, self.next_seq)
+            if consumed <= self.acked:
+                return
+            self.acked = consumed
+            while self.sizes and self.sizes[0][0] < consumed:
+                self.bytes -= self.sizes.popleft()[1]
+            self.cond.notify_all()
+
+
+class _Inbound:
+    """Receiver side of one stream (peer -> this node): reorder state and consumption count."""
+
+    def __init__(self) -> None:
+        self.expect = 0
+        self.held: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.consumed = 0
+        self.waiting = False  # the sender is blocked: credit it on the next consumption
+
+
+class TorchRpcMQ(MQ):
+    """The ``torchrpc:cpu`` and ``torchrpc:cuda`` mq types. See :func:`mq.create` for the
+    common options (``queue_size``, ``timeout``, ``allow_pickle``, ``handler_threads``).
+
+    Args:
+        device: ``"cpu"`` (CUDA tensors are staged through host memory) or ``"cuda"`` (CUDA
+            tensors go device to device through TensorPipe device maps; needs a GPU).
+        world_size: number of nodes in the job; node ids are 0 .. world_size-1.
+        init_method: ``tcp://host:port`` (node 0 hosts the store), ``env://`` (MASTER_ADDR,
+            MASTER_PORT) or ``file:///path``.
+        local_cuda_devices: logical GPU indices this node uses (``torchrpc:cuda``).
+        cuda_device_map: ``"1_0_1,2_0_2"``-style map (see :mod:`mq.device_map`); default: each
+            local GPU to the same index on every peer. Only with ``torchrpc:cuda``.
+        rpc_timeout: seconds an RPC may take before the peer is declared lost; also bounds
+            joining. Default: ``max(60, timeout)``.
+        num_worker_threads: TensorPipe's thread pool size.
+        socket_ifname: network interface for TensorPipe's TCP transport (``TP_SOCKET_IFNAME``).
+        send_window: frames in flight per peer before ``send`` waits (backpressure).
+        send_window_bytes: bytes in flight per peer before ``send`` waits (a single larger frame
+            still goes, alone).
+        copy_on_send: copy array/tensor buffers so the caller may modify them once ``send``
+            returns; ``False`` sends without a copy and waits until the peer has the frame.
+        heartbeat: seconds between liveness probes of idle peers.
+
+    Raises:
+        ConfigError: a bad option; ``torchrpc:cuda`` without a visible GPU; a device map with
+            ``torchrpc:cpu``; at ``listen()``, a second listening queue in one process.
+    """
+
+    backend_name = "torchrpc"
+
+    def __init__(self, node_id: int, labels: Iterable[str] | str | None = None, *,
+                 device: str = "cpu", world_size: int | None = None,
+                 init_method: str | None = None, local_cuda_devices: Iterable[int] | None = None,
+                 cuda_device_map: str | Mapping[int, Mapping[int, int]] | None = None,
+                 rpc_timeout: float | None = None, num_worker_threads: int = 16,
+                 socket_ifname: str | None = None, send_window: int = 64,
+                 send_window_bytes: int = 256 << 20, copy_on_send: bool = True,
+                 heartbeat: float = 1.0, **kwargs: Any):
+        codec = kwargs.get("codec")
+        if codec is None:
+            kwargs["codec"] = Codec(allow_pickle=kwargs.get("allow_pickle", False), keep_tensors=True)
+        else:
+            codec.keep_tensors = True  # tensors must stay tensors to travel as RPC tensors
+        super().__init__(node_id, labels, **kwargs)
+        if device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda' (mq types torchrpc:cpu, "
+                              f"torchrpc:cuda), got {device!r}")
+        self.device = device
+        self.mq_type = f"torchrpc:{device}"
+        if not torch.distributed.is_available() or not torch.distributed.rpc.is_available():
+            raise ConfigError("this torch build has no torch.distributed.rpc: install a torch "
+                              "with distributed support, or use mq type nng")
+        if init_method is None:
+            raise ConfigError(f"{self.mq_type} needs init_method= (tcp://host:port, env:// or "
+                              "file:///path), the same on every node")
+        spec = parse_init_method(init_method)
+        if world_size is None:
+            world_size = spec.world_size
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ConfigError(f"{self.mq_type} needs world_size= (the number of nodes, >= 1), "
+                              f"got {world_size!r}")
+        if node_id >= world_size:
+            raise ConfigError(f"node_id {node_id} must be in [0, world_size={world_size}): torch "
+                              "RPC ranks are the node ids 0 .. world_size-1")
+        self.world_size = world_size
+        self.init_method = init_method
+        if rpc_timeout is not None and rpc_timeout <= 0:
+            raise ConfigError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
+        self.rpc_timeout = float(rpc_timeout) if rpc_timeout is not None else max(60.0, self.timeout)
+        if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
+            raise ConfigError(f"num_worker_threads must be an int >= 1, got {num_worker_threads!r}")
+        self.num_worker_threads = num_worker_threads
+        if not isinstance(send_window, int) or send_window < 1:
+            raise ConfigError(f"send_window must be an int >= 1, got {send_window!r}")
+        if not isinstance(send_window_bytes, int) or send_window_bytes < 1:
+            raise ConfigError(f"send_window_bytes must be an int >= 1, got {send_window_bytes!r}")
+        if heartbeat is None or heartbeat <= 0:
+            raise ConfigError(f"heartbeat must be a positive number of seconds, got {heartbeat!r}")
+        self.send_window = send_window
+        self.send_window_bytes = send_window_bytes
+        self.copy_on_send = bool(copy_on_send)
+        self.heartbeat = float(heartbeat)
+        self.socket_ifname = socket_ifname
+        peers = [p for p in range(world_size) if p != node_id]
+        self.local_cuda_devices = (device_map._check_device_list(local_cuda_devices, "local_cuda_devices")
+                                   if local_cuda_devices is not None else None)
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError("mq type torchrpc:cuda needs a GPU, but none is visible to this "
+                                  "process (torch.cuda.is_available() is False; check "
+                                  "CUDA_VISIBLE_DEVICES and the driver); use torchrpc:cpu, which "
+                                  "stages GPU tensors through host memory")
+            self.device_maps = device_map.parse(cuda_device_map, node_id, self.local_cuda_devices,
+                                                peers=range(world_size))
+        else:
+            device_map.reject_for_cpu(self.mq_type, cuda_device_map)
+            self.device_maps = {}
+        self.incarnation = uuid.uuid4().hex
+        self.locality: Locality = local()
+        self.tp_options: dict[str, Any] = {}
+        self._links = {p: _Link(p) for p in peers}
+        self._inbound = {p: _Inbound() for p in peers}
+        self._rx_cond = threading.Condition()
+        self._ready: collections.deque[tuple[int, int, tuple[torch.Tensor, list[torch.Tensor]]]] = collections.deque()
+        self._rx_stop = False
+        self._rpc_ready = threading.Event()
+        self._hb_stop = threading.Event()
+        self._rx_thread: threading.Thread | None = None
+        self._hb_thread: threading.Thread | None = None
+        self._rpc_started = False
+        self._closing = False
+        self._closed = False
+        self._store: Any = None
+        self._shutdown_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def _start(self) -> None:
+        global _ACTIVE
+        with _AGENT_LOCK:
+            if _ACTIVE is not None:
+                other = _ACTIVE
+                state = ("is still shutting down" if other._closed else "is listening")
+                raise ConfigError(
+                    f"node {self.node_id}: this process already has a torch RPC agent (node "
+                    f"{other.node_id}'s {other.mq_type} queue {state}); torch allows one RPC agent "
+                    "per process: run each torchrpc node in its own process (mq.launch / mq run), "
+                    "or stop() the other queue first")
+            if _rpc_agent_running():
+                raise ConfigError(
+                    f"node {self.node_id}: torch.distributed.rpc is already initialized in this "
+                    "process and torch allows one RPC agent per process: call "
+                    "rpc.shutdown() first, or run the mq node in its own process")
+            _ACTIVE = self
+        self._rx_thread = threading.Thread(target=self._delivery_loop, daemon=True,
+                                           name=f"mq{self.node_id}-rpc-io")
+        self._rx_thread.start()
+        remote = self._exchange_localities()
+        self._init_rpc(remote)
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                           name=f"mq{self.node_id}-rpc-heartbeat")
+        self._hb_thread.start()
+        hello = self._encode(HELLO, "", self._hello_payload())
+        for peer in self._links:
+            self._transmit(peer, hello, self.timeout)
+
+    def _exchange_localities(self) -> dict[int, Locality]:
+        """Publish our locality in the rendezvous store and read every peer's, before
+        ``init_rpc``: TensorPipe's transports and channels are fixed when the agent starts."""
+        import torch.distributed as dist
+
+        wait = timedelta(seconds=self.timeout)
+        try:
+            # tcp:// and env:// give a multi-tenant TCPStore: init_rpc's own rendezvous on the
+            # same address later shares node 0's server instead of binding the port twice.
+            store = next(dist.rendezvous(self.init_method, rank=self.node_id,
+                                         world_size=self.world_size, timeout=wait))[0]
+        except (RuntimeError, ValueError, OSError) as exc:
+            text = str(exc)
+            if "address already in use" in text.lower() or "EADDRINUSE" in text:
+                raise ConfigError(f"node {self.node_id}: cannot host the rendezvous store at "
+                                  f"{self.init_method}: the port is in use; pick a free port") from None
+            raise Timeout(f"node {self.node_id}: rendezvous at {self.init_method} failed within "
+                          f"{self.timeout:g}s: {_short(exc)} (is node 0 running, with the same "
+                          "init_method and world_size?)") from exc
+        store.set_timeout(wait)
+        self._store = store
+        prefix = "mq/torchrpc/locality/"
+        store.set(f"{prefix}{self.node_id}", msgpack.packb(
+            {"locality": self.locality.to_dict(), "incarnation": self.incarnation}, use_bin_type=True))
+        keys = [f"{prefix}{p}" for p in self._links]
+        try:
+            if keys:
+                store.wait(keys, wait)
+        except RuntimeError:
+            missing = [k.rpartition("/")[2] for k in keys if not store.check([k])]
+            raise Timeout(f"node {self.node_id}: nodes {', '.join(missing)} did not join within "
+                          f"{self.timeout:g}s (world_size={self.world_size}, init_method="
+                          f"{self.init_method}): are all nodes started?") from None
+        remote = {}
+        for p in self._links:
+            info = msgpack.unpackb(store.get(f"{prefix}{p}"), raw=False, strict_map_key=False)
+            remote[p] = Locality.from_dict(info.get("locality") or {})
+        return remote
+
+    def _backend_options(self, remote: Mapping[int, Locality]) -> Any:
+        from torch.distributed import rpc
+
+        tp = tensorpipe_options(self.locality, remote, cuda=self.device == "cuda",
+                                socket_ifname=self.socket_ifname)
+        self.tp_options = tp
+        os.environ.update(tp["env"])  # TP_SOCKET_IFNAME: read when the agent starts
+        kwargs: dict[str, Any] = {}
+        needed = self._must_restrict(tp["dropped"], remote)
+        if needed:
+            # TensorPipe would pick these by its own (boot-id based) checks and then fail.
+            log.info("node %d: TensorPipe without %s", self.node_id,
+                     "; ".join(f"{n} ({tp['dropped'][n]})" for n in needed))
+            kwargs = {"_transports": tp["_transports"], "_channels": tp["_channels"]}
+        devices = None
+        if self.device == "cuda" and self.local_cuda_devices:
+            devices = list(self.local_cuda_devices)
+        opts = rpc.TensorPipeRpcBackendOptions(
+            num_worker_threads=self.num_worker_threads, rpc_timeout=self.rpc_timeout,
+            init_method=self.init_method, devices=devices, **kwargs)
+        for peer, mapping in self.device_maps.items():
+            opts.set_device_map(f"mq{peer}", dict(mapping))
+        return opts
+
+    def _must_restrict(self, dropped: Mapping[str, str], remote: Mapping[int, Locality]) -> list[str]:
+        """Dropped transports/channels TensorPipe would still try on its own."""
+        loc = self.locality
+        needed = []
+        if "ibv" in dropped and loc.rdma:  # a device but no ACTIVE port: TensorPipe tries it
+            needed.append("ibv")
+        if self.device == "cuda" and loc.gpus:
+            same_host_gpu = any(r.boot_id == loc.boot_id and r.gpus for r in remote.values())
+            if "cuda_ipc" in dropped and same_host_gpu:
+                needed.append("cuda_ipc")
+            if "cuda_gdr" in dropped and loc.active_rdma_ports():
+                needed.append("cuda_gdr")
+        return needed
+
+    def _init_rpc(self, remote: Mapping[int, Locality]) -> None:
+        from torch.distributed import rpc
+
+        opts = self._backend_options(remote)
+        try:
+            rpc.init_rpc(f"mq{self.node_id}", backend=rpc.BackendType.TENSORPIPE,
+                         rank=self.node_id, world_size=self.world_size, rpc_backend_options=opts)
+        except ValueError as exc:  # torch validates device maps and devices across the group
+            raise ConfigError(f"node {self.node_id}: torch RPC refused the configuration: "
+                              f"{exc}".rstrip()) from None
+        except RuntimeError as exc:
+            if "time" in str(exc).lower():
+                raise Timeout(f"node {self.node_id}: torch RPC init did not finish within "
+                              f"{self.rpc_timeout:g}s: {_short(exc)}") from exc
+            raise ConfigError(f"node {self.node_id}: torch RPC init failed: {_short(exc)} "
+                              "(every node must use the same init_method, world_size and mq "
+                              "type)") from exc
+        self._rpc_started = True
+        for peer, link in self._links.items():
+            link.info = rpc.get_worker_info(f"mq{peer}")
+        self._rpc_ready.set()
+
+    def _close_transport(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self._closing = True
+        self._hb_stop.set()
+        if self._rpc_started:
+            # Peers the core did not bid farewell learn that we leave (BYE is ordered after
+            # every frame we sent them).
+            for peer in self._live_peers():
+                link = self._links.get(peer)
+                if link is not None and not link.bye_sent and not link.failed:
+                    try:
+                        self._transmit(peer, self._encode(BYE, "", None), min(0.5, max(0.0, deadline - time.monotonic())))
+                    except MQError:
+                        pass
+            # Flush: wait for frames the peers have not confirmed yet, leaving time to shut down.
+            flush_until = deadline - min(1.0, timeout / 2)
+            for link in self._links.values():
+                with link.cond:
+                    while link.pending and not link.failed and time.monotonic() < flush_until:
+                        link.cond.wait(min(0.05, max(0.0, flush_until - time.monotonic())))
+        self._closed = True
+        with self._rx_cond:
+            self._rx_stop = True
+            self._rx_cond.notify_all()
+        self._rpc_ready.set()
+        for link in self._links.values():
+            with link.cond:
+                link.cond.notify_all()
+        if self._rx_thread is not None and self._rx_thread is not threading.current_thread():
+            self._rx_thread.join(max(0.0, min(0.5, deadline - time.monotonic())))
+        if not self._rpc_started:
+            self._release_agent()
+            return
+        self._shutdown_thread = threading.Thread(target=self._shutdown_rpc, daemon=True,
+                                                 name=f"mq{self.node_id}-rpc-shutdown")
+        self._shutdown_thread.start()
+        self._shutdown_thread.join(max(0.0, deadline - time.monotonic()))
+        if self._shutdown_thread.is_alive():
+            log.warning("node %d: torch RPC shutdown did not finish within %.1fs (a peer probably "
+                        "died); abandoned it: this process cannot start another torch RPC agent",
+                        self.node_id, timeout)
+
+    def _shutdown_rpc(self) -> None:
+        from torch.distributed import rpc
+
+        try:
+            # graceful=False: the graceful path waits for every worker (it hangs when one died)
+            # and runs a round of pickled Python RPCs. Our own flush already ran.
+            rpc.shutdown(graceful=False)
+        except Exception as exc:
+            log.debug("node %d: rpc.shutdown: %s", self.node_id, exc)
+        finally:
+            self._store = None
+            self._release_agent()
+
+    def _release_agent(self) -> None:
+        global _ACTIVE
+        with _AGENT_LOCK:
+            if _ACTIVE is self:
+                _ACTIVE = None
+
+    # ------------------------------------------------------------------ joining
+    def _hello_payload(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "labels": sorted(self.labels),
+            "subscriptions": sorted(self.subscriptions()),
+            "locality": self.locality.to_dict(),
+            "incarnation": self.incarnation,
+            "mq_type": self.mq_type,
+        }
+
+    def _on_control(self, env: Envelope) -> None:
+        if env.kind != HELLO:
+            return
+        info = env.payload
+        if not isinstance(info, dict) or info.get("node_id") != env.sender:
+            raise ProtocolError(f"malformed HELLO from node {env.sender}")
+        if info.get("mq_type") not in (None, self.mq_type):
+            log.warning("node %d: node %d runs %s, this node %s: GPU tensors may take a different "
+                        "path each way", self.node_id, env.sender, info.get("mq_type"), self.mq_type)
+        remote = Locality.from_dict(info.get("locality") or {})
+        supported = BACKEND_ROUTES["torchrpc"]
+        if self.device == "cpu":
+            supported = supported - {"nvlink"}  # GPU tensors are staged through host
+        route = select_route(self.locality, remote, supported=supported, peer=env.sender,
+                             same_process=False)
+        if self.device == "cpu" and route.gpudirect:
+            route = replace(route, gpudirect=False)
+        peer = Peer(env.sender, frozenset(str(x) for x in info.get("labels") or ()),
+                    frozenset(str(x) for x in info.get("subscriptions") or ()), route,
+                    info={"incarnation": info.get("incarnation"), "locality": info.get("locality"),
+                          "rpc_name": f"mq{env.sender}", "mq_type": info.get("mq_type")})
+        self._peer_joined(peer)
+
+    # ------------------------------------------------------------------ sending
+    def _encode(self, kind: int, topic: str, payload: Any, corr: int = 0) -> _Outgoing:
+        tree, raw = self.codec.pack(payload)
+        head = msgpack.packb([WIRE_VERSION, kind, topic, corr, tree], use_bin_type=True)
+        header = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        buffers: list[torch.Tensor] = []
+        borrowed = False
+        for b in raw:
+            if isinstance(b, torch.Tensor):
+                if b.device.type != "cpu" and self.device == "cpu":
+                    t = b.cpu()  # staged: a copy already
+                elif self.copy_on_send:
+                    t = b.clone()
+                else:
+                    t, borrowed = b, True
+            elif isinstance(b, np.ndarray):
+                if self.copy_on_send or not b.flags.writeable:
+                    t = torch.from_numpy(b.copy())
+                else:
+                    t, borrowed = torch.from_numpy(b), True
+            else:  # bytes: immutable, but torch wants writable memory
+                t = torch.frombuffer(bytearray(b), dtype=torch.uint8) if len(b) else _EMPTY
+            buffers.append(t)
+        nbytes = header.numel() + sum(t.numel() * t.element_size() for t in buffers)
+        return _Outgoing(kind, header, buffers, nbytes, borrowed)
+
+    def _buffers_for(self, peer: int, out: _Outgoing) -> list[torch.Tensor]:
+        """The frame's tensors for one peer: CUDA tensors without a device map entry for that
+        peer are staged through host memory (TensorPipe refuses them otherwise)."""
+        if self.device != "cuda":
+            return out.buffers
+        mapping = self.device_maps.get(peer, {})
+        bufs = []
+        for i, t in enumerate(out.buffers):
+            if t.device.type == "cuda" and t.device.index not in mapping:
+                if i not in out.staged:
+                    out.staged[i] = t.cpu()
+                t = out.staged[i]
+            bufs.append(t)
+        return bufs
+
+    def _transmit(self, peer: int, encoded: _Outgoing, timeout: float) -> None:
+        link = self._links.get(peer)
+        if link is None:
+            raise PeerLost(f"node {peer} is not in this torch RPC group (world_size={self.world_size})")
+        buffers = self._buffers_for(peer, encoded)
+        deadline = time.monotonic() + timeout
+        with link.cond:
+            while True:
+                if self._closed:
+                    raise ClosedError("the queue was stopped")
+                if link.failed:
+                    raise PeerLost(f"node {peer} {link.failed}")
+                inflight = link.next_seq - link.acked
+                if inflight == 0 or (inflight < self.send_window
+                                     and link.bytes + encoded.nbytes <= self.send_window_bytes):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(f"node {peer} did not take the message within {timeout:g}s: "
+                                  f"{inflight} frame(s) ({link.bytes} bytes) wait to be consumed "
+                                  "there (slow receiver or full queue); pass timeout= to wait longer")
+                self._want_credit(link)
+                link.cond.wait(min(left, 0.1))
+            seq = link.next_seq
+            fut = self._issue(link, seq, encoded.header, buffers)
+            link.next_seq += 1
+            link.sizes.append((seq, encoded.nbytes))
+            link.bytes += encoded.nbytes
+            link.pending += 1
+            if encoded.kind == BYE:
+                link.bye_sent = True
+        fut.add_done_callback(lambda f, link=link: self._on_reply(link, f))
+        if encoded.borrowed:
+            self._wait_received(link, fut)
+
+    def _issue(self, link: _Link, seq: int, header: torch.Tensor, buffers: list[torch.Tensor]) -> Any:
+        """Hand one frame to TensorPipe; raises (without consuming ``seq``) if it cannot."""
+        from torch.distributed import rpc
+
+        ack = self._inbound[link.peer].consumed
+        try:
+            return rpc.rpc_async(link.info, _deliver_script, args=(self.node_id, seq, ack, header, buffers),
+                                 timeout=self.rpc_timeout)
+        except Exception as exc:
+            if self._closed:
+                raise ClosedError("the queue was stopped") from None
+            if link.info is None:
+                raise PeerLost(f"node {link.peer}: torch RPC is not running yet") from None
+            raise PeerLost(f"node {link.peer}: torch RPC refused the frame: {_short(exc)}") from exc
+
+    def _wait_received(self, link: _Link, fut: Any) -> None:
+        # copy_on_send=False: the caller's memory is on the wire until the peer has it.
+        with link.cond:
+            while not fut.done() and not link.failed and not self._closed:
+                link.cond.wait(0.05)
+        if link.failed:
+            raise PeerLost(f"node {link.peer} {link.failed}")
+
+    def _on_reply(self, link: _Link, fut: Any) -> None:
+        try:
+            consumed = fut.value()
+        except Exception as exc:
+            self._link_failed(link, exc)
+            consumed = None
+        with link.cond:
+            link.pending -= 1
+            link.cond.notify_all()
+        link.credit(consumed)
+
+    def _link_failed(self, link: _Link, exc: BaseException) -> None:
+        with link.cond:
+            if link.failed:
+                return
+            link.failed = f"is unreachable (torch RPC: {_short(exc)})"
+            link.cond.notify_all()
+        if not self._closing:
+            self._peer_lost(link.peer, link.failed)
+
+    def _control(self, link: _Link, seq: int, on_done: Any = None) -> None:
+        """Send an unordered control frame (credit, want, ping); never blocks."""
+        try:
+            fut = self._issue(link, seq, _EMPTY, [])
+        except MQError as exc:
+            if on_done:
+                on_done()
+            log.debug("node %d: control frame %d to node %d: %s", self.node_id, seq, link.peer, exc)
+            return
+
+        def done(f: Any) -> None:
+            try:
+                link.credit(f.value())
+            except Exception as exc:
+                self._link_failed(link, exc)
+            if on_done:
+                on_done()
+
+        fut.add_done_callback(done)
+
+    def _want_credit(self, link: _Link) -> None:
+        # Called with link.cond held, while a sender waits for credit.
+        now = time.monotonic()
+        if link.want_out or (link.acked == link.want_acked and now - link.want_t < _WANT_RETRY_S):
+            return
+        link.want_out, link.want_acked, link.want_t = True, link.acked, now
+
+        def done() -> None:
+            with link.cond:
+                link.want_out = False
+                link.cond.notify_all()
+
+        self._control(link, _WANT, done)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(self.heartbeat):
+            for peer in self._live_peers():
+                link = self._links.get(peer)
+                if link is None or link.ping_out or link.failed:
+                    continue
+                link.ping_out = True
+
+                def done(link: _Link = link) -> None:
+                    link.ping_out = False
+
+                self._control(link, _PING, done)
+
+    # ------------------------------------------------------------------ receiving
+    def _on_rpc(self, sender: Any, seq: Any, ack: Any, header: torch.Tensor,
+                buffers: list[torch.Tensor]) -> int:
+        """A frame arrived (TensorPipe thread): park it in order; never blocks."""
+        inbound = self._inbound.get(sender) if isinstance(sender, int) else None
+        if inbound is None:
+            self._stats.dropped_malformed += 1
+            raise RuntimeError(f"mq: node {self.node_id} got a frame from node {sender!r}, which is "
+                               f"not a peer in this group of {self.world_size}")
+        self._links[sender].credit(ack)
+        if seq < 0:
+            with self._rx_cond:
+                if seq == _WANT:
+                    inbound.waiting = True
+                return inbound.consumed
+        if any(t.device.type == "cuda" for t in buffers):
+            _settle_cuda(buffers)
+        with self._rx_cond:
+            if seq < inbound.expect or seq in inbound.held:
+                self._stats.dropped_malformed += 1  # a duplicate: never deliver twice
+                return inbound.consumed
+            inbound.held[seq] = (header, buffers)
+            while inbound.expect in inbound.held:
+                self._ready.append((sender, inbound.expect, inbound.held.pop(inbound.expect)))
+                inbound.expect += 1
+            self._rx_cond.notify_all()
+            return inbound.consumed
+
+    def _delivery_loop(self) -> None:
+        self._rpc_ready.wait()  # HELLO from a fast peer waits until our agent can answer
+        while True:
+            with self._rx_cond:
+                while not self._ready and not self._rx_stop:
+                    self._rx_cond.wait(0.2)
+                if self._rx_stop:
+                    return
+                sender, seq, (header, buffers) = self._ready.popleft()
+            try:
+                self._deliver(self._decode(sender, seq, header, buffers))
+            except _Oversized as exc:
+                self._stats.dropped_oversized += 1
+                log.warning("node %d: dropped a frame from node %d: %s", self.node_id, sender, exc)
+            except ProtocolError as exc:
+                self._stats.dropped_malformed += 1
+                log.warning("node %d: dropped a malformed frame from node %d: %s", self.node_id, sender, exc)
+            except Exception:
+                self._stats.dropped_malformed += 1
+                log.exception("node %d: error handling a frame from node %d", self.node_id, sender)
+            inbound = self._inbound[sender]
+            with self._rx_cond:
+                inbound.consumed += 1
+                credit, inbound.waiting = inbound.waiting, False
+            if credit:
+                self._control(self._links[sender], _CREDIT)
+
+    def _decode(self, sender: int, seq: int, header: Any, buffers: list[Any]) -> Envelope:
+        if not (isinstance(header, torch.Tensor) and header.dtype == torch.uint8
+                and header.dim() == 1 and header.device.type == "cpu"):
+            raise ProtocolError("frame header is not a CPU uint8 vector")
+        size = header.numel() + sum(t.numel() * t.element_size() for t in buffers)
+        if size > self.codec.max_frame_bytes:
+            raise _Oversized(f"{size} bytes exceeds max_frame_bytes={self.codec.max_frame_bytes}")
+        try:
+            version, kind, topic, corr, tree = msgpack.unpackb(header.numpy().tobytes(), raw=False,
+                                                               use_list=True, strict_map_key=False)
+        except Exception as exc:
+            raise ProtocolError(f"malformed header: {type(exc).__name__}: {exc}") from exc
+        if version != WIRE_VERSION:
+            raise ProtocolError(f"frame version {version!r}, this node speaks {WIRE_VERSION}")
+        if not (isinstance(kind, int) and 0 <= kind < len(KIND_NAMES) and isinstance(topic, str)
+                and isinstance(corr, int) and isinstance(tree, bytes)):
+            raise ProtocolError("header fields have the wrong types")
+        # Flat uint8 host tensors carry arrays and bytes: the codec wants buffer-protocol views.
+        views = [t.numpy() if t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 1 else t
+                 for t in buffers]
+        return Envelope(kind, topic, sender, seq, corr, self.codec.unpack(tree, views))
+
+
+class _Oversized(ProtocolError):
+    pass
+
+
+def _settle_cuda(buffers: list[torch.Tensor]) -> None:
+    """Make received CUDA tensors safe to hand to another thread.
+
+    TensorPipe fills them on the RPC's streams (current while the op runs): wait for those
+    copies, and tell the caching allocator the user's default stream will use the memory, so
+    it is not recycled under a kernel still reading it.
+    """
+    devices = {t.device for t in buffers if t.device.type == "cuda"}
+    for dev in devices:
+        torch.cuda.current_stream(dev).synchronize()
+    for t in buffers:
+        if t.device.type == "cuda":
+            t.record_stream(torch.cuda.default_stream(t.device))

@@ -1,0 +1,39 @@
+"""Worker mains used by the launcher and CLI tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import mq
+
+
+def ok(ctx: mq.Context) -> None:
+    from mq.testing import BARRIER, _BarrierBox, barrier
+
+    ctx.mq.subscribe(BARRIER, _BarrierBox.get(ctx.mq).arrive)
+    ctx.mq.wait_for_peers(len(ctx.node_ids) - 1, timeout=20)
+    print(f"node {ctx.node_id} labels {sorted(ctx.labels)} peers {ctx.mq.peers()} "
+          f"routes {sorted({r.kind for r in ctx.mq.routes().values()})}", flush=True)
+    barrier(ctx, "start")  # nobody leaves before everyone has met everyone
+
+
+def crash_one(ctx: mq.Context) -> None:
+    """Node 1 raises; the others would run for a minute if nobody stopped them."""
+    _record_pid(ctx)
+    if ctx.node_id == 1:
+        time.sleep(0.5)
+        raise RuntimeError("collector exploded on purpose")
+    time.sleep(60)
+
+
+def sleep_forever(ctx: mq.Context) -> None:
+    _record_pid(ctx)
+    time.sleep(600)
+
+
+def _record_pid(ctx: mq.Context) -> None:
+    out = ctx.args.get("pid_dir") or os.environ.get("MQ_TEST_PID_DIR")
+    if out:
+        with open(os.path.join(out, f"{ctx.node_id}.pid"), "w") as f:
+            f.write(str(os.getpid()))
