@@ -4,14 +4,8 @@ leave child processes behind."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 
 import pytest
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (skipped without one)")
-    config.addinivalue_line("markers", "netns: needs root and iproute2 to create network namespaces")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -37,13 +31,3 @@ def no_leaked_children():
         p.kill()
         p.join(2)
     assert not leaked, f"test left {len(leaked)} child process(es) running: {leaked}"
-
-
-@pytest.fixture
-def tmp_env(monkeypatch):
-    """A clean place for environment changes."""
-    return monkeypatch
-
-
-def pytest_report_header(config: pytest.Config) -> str:
-    return f"mq tests: pid {os.getpid()}"

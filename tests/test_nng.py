@@ -1,0 +1,224 @@
+"""NNG-specific behaviour: hostile frames, dead peers, bounded stop, rendezvous."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from fractions import Fraction
+
+import numpy as np
+import pynng
+import pytest
+
+import mq
+from mq.backends.nng import check_address
+from mq.launch import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def node():
+    q = mq.create("nng", 0, "learner", listen_to="tcp://127.0.0.1:0", timeout=5,
+                  max_frame_bytes=1 << 20)
+    with q:
+        q.on("echo", lambda x: x)
+        yield q
+
+
+def wait_until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_hostile_frames_are_dropped_counted_and_the_node_keeps_serving(node):
+    attacker = pynng.Push0(send_timeout=2000)
+    attacker.dial(node.addresses["tcp"], block=True)
+    try:
+        junk = [b"", b"\x01", b"\xff" * 10, (1 << 30).to_bytes(4, "little") + b"x" * 20,
+                b"\x05\x00\x00\x00\x95\x01\x00\xa1t\x00"]  # truncated envelope
+        for frame in junk:
+            attacker.send(frame)
+        attacker.send(b"\x00" * (2 << 20))  # over max_frame_bytes: NNG drops it at the socket
+        assert wait_until(lambda: node.stats().dropped_malformed == len(junk))
+    finally:
+        attacker.close()
+    # still serving a real peer
+    peer = mq.create("nng", 1, "collector", attach_to=[node.addresses["tcp"]], timeout=5)
+    with peer:
+        assert peer.call(0, "echo", {"x": np.arange(3)}, timeout=5)["x"].tolist() == [0, 1, 2]
+
+
+def test_pickled_payload_from_the_network_is_refused_by_default(node):
+    sender = mq.create("nng", 1, attach_to=[node.addresses["tcp"]], timeout=5, allow_pickle=True)
+    with sender:
+        node.subscribe("x")
+        sender.wait_for_subscribers("x", 1, timeout=5)
+        sender.publish("x", {"obj": Fraction(1, 3)})
+        sender.publish("x", "plain")
+        assert node.recv(timeout=5).payload == "plain"
+        assert node.stats().dropped_malformed == 1
+
+
+def test_send_to_sigkilled_peer_raises_peer_lost_quickly_and_stop_is_bounded(node):
+    proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.nng_peer", "1", node.addresses["tcp"], "hang"],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        node.wait_for_peers(ids=[1], timeout=10)
+        assert node.call(1, "echo", 5, timeout=5) == 5
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(5)
+        t0 = time.monotonic()
+        with pytest.raises((mq.PeerLost, mq.Timeout)):
+            for _ in range(1000):
+                node.send(1, "work", np.zeros(1 << 16), timeout=2)
+                time.sleep(0.01)
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(mq.PeerLost):
+            node.call(1, "echo", 1, timeout=2)
+        assert 1 not in node.peers()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    t0 = time.monotonic()
+    node.stop(timeout=3)
+    assert time.monotonic() - t0 < 4
+
+
+def test_pending_call_fails_with_peer_lost_when_the_peer_dies(node):
+    proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.nng_peer", "1", node.addresses["tcp"], "hang"],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+    killer = threading.Timer(1.0, proc.kill)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        node.wait_for_peers(ids=[1], timeout=10)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(mq.PeerLost, match="node 1"):
+            node.call(1, "slow", None, timeout=30)
+        assert time.monotonic() - t0 < 5
+    finally:
+        killer.cancel()
+        proc.kill()
+        proc.wait(5)
+
+
+def test_rendezvous_finds_peers_without_attach_lists():
+    init = f"tcp://127.0.0.1:{free_port()}"
+    nodes = [mq.create("nng", i, "collector" if i else "learner", init_method=init, world_size=3,
+                       timeout=10) for i in range(3)]
+    threads = [threading.Thread(target=n.listen) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    try:
+        for n in nodes:
+            n.wait_for_peers(2, timeout=10)
+        assert nodes[2].peers(label="learner") == [0]
+        assert {r.kind for r in nodes[0].routes().values()} == {"inproc"}
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_rendezvous_env_and_file_forms(tmp_path, monkeypatch):
+    from mq.rendezvous import parse_init_method
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    spec = parse_init_method("env://")
+    assert (spec.host, spec.port, spec.rank, spec.world_size) == ("127.0.0.1", 29500, 1, 4)
+    assert parse_init_method(f"file://{tmp_path}/rdv").path == f"{tmp_path}/rdv"
+    path = f"file://{tmp_path}/store"
+    nodes = [mq.create("nng", i, init_method=path, world_size=2, timeout=10) for i in range(2)]
+    threads = [threading.Thread(target=n.listen) for n in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    try:
+        nodes[1].wait_for_peers(ids=[0], timeout=10)
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+@pytest.mark.parametrize("init, reason", [
+    ("env://", "MASTER_ADDR"),
+    ("tcp://nohost", "needs a host and a port"),
+    ("file://", "needs a path"),
+    ("udp://x:1", "must start with tcp://, env:// or file://"),
+])
+def test_bad_init_methods(init, reason, monkeypatch):
+    from mq.rendezvous import parse_init_method
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(mq.ConfigError, match=reason):
+        parse_init_method(init)
+
+
+@pytest.mark.parametrize("address, reason", [
+    ("127.0.0.1:5000", "must start with one of"),
+    ("tcp://127.0.0.1", "needs a host and a port"),
+    ("tcp://:5000", "needs a host and a port"),
+    ("tcp://h:99999", "needs a host and a port"),
+    ("ipc://", "needs a path"),
+])
+def test_bad_addresses(address, reason):
+    with pytest.raises(mq.ConfigError, match=reason):
+        check_address(address)
+    with pytest.raises(mq.ConfigError, match=reason):
+        mq.create("nng", 0, listen_to=address)
+
+
+def test_bad_create_options():
+    with pytest.raises(mq.ConfigError, match="unknown mq type 'nngg'"):
+        mq.create("nngg", 0)
+    with pytest.raises(mq.ConfigError, match="node_id must be a non-negative int"):
+        mq.create("nng", -1)
+    with pytest.raises(mq.ConfigError, match="unexpected keyword argument 'bogus'"):
+        mq.create("nng", 0, bogus=1)
+    with pytest.raises(mq.ConfigError, match="protocol must be auto, tcp or ipc"):
+        mq.create("nng", 0, protocol="udp")
+
+
+def test_listen_on_a_busy_port_says_so():
+    with mq.create("nng", 0, listen_to="tcp://127.0.0.1:0") as a:
+        port = a.addresses["tcp"].rsplit(":", 1)[1]
+        with pytest.raises(mq.ConfigError, match="already in use"):
+            mq.create("nng", 1, listen_to=f"tcp://127.0.0.1:{port}").listen()
+
+
+def test_send_to_unknown_peer_times_out_with_the_known_peers(node):
+    with pytest.raises(mq.Timeout, match="node 7 has not joined"):
+        node.send(7, "x", 1, timeout=0.2)
+    with pytest.raises(mq.ConfigError, match="is this node"):
+        node.send(0, "x", 1)
+    with pytest.raises(mq.ConfigError, match="topic must be a non-empty str"):
+        node.publish("", 1)
+
+
+def test_use_after_stop_is_a_clear_error():
+    q = mq.create("nng", 0)
+    q.listen()
+    q.stop()
+    with pytest.raises(mq.ClosedError, match="create a new one"):
+        q.listen()
+    with pytest.raises(mq.ClosedError):
+        q.recv(timeout=0.1)
