@@ -3,9 +3,9 @@
 Wire format of one frame (what the NNG backend sends as one NNG message)::
 
     u32 little-endian  header length H
-    H bytes            msgpack envelope [VERSION, kind, topic, sender, seq, corr, tree, spans]
+    H bytes            msgpack envelope [VERSION, kind, topic, sender, seq, corr, tree, sizes]
     padding            to a 64-byte boundary
-    buffers            each starting on a 64-byte boundary; ``spans`` lists (offset, nbytes)
+    buffers            ``sizes[i]`` bytes each, each starting on a 64-byte boundary
 
 ``tree`` is the payload with every array, tensor, tuple and large bytes value replaced by a
 msgpack ExtType. Array and tensor data never enter the msgpack body: they are written straight
@@ -56,9 +56,13 @@ try:  # torch is a dependency, but keep the codec importable for numpy-only user
     for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
         if hasattr(torch, _name):
             _TORCH_DTYPES[_name] = getattr(torch, _name)
+    _DTYPE_NAMES = {dt: name for name, dt in _TORCH_DTYPES.items()}
+    # dtypes numpy can view directly (the others go through a uint8 view)
+    _NUMPY_OK = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.float32, torch.float64}
 except ImportError:  # pragma: no cover - torch is installed with mq
     torch = None  # type: ignore[assignment]
-    _TORCH_DTYPES = {}
+    _TORCH_DTYPES, _DTYPE_NAMES, _NUMPY_OK = {}, {}, set()
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,9 @@ def _is_tensor(obj: Any) -> bool:
 
 
 def _tensor_bytes(t: "torch.Tensor") -> np.ndarray:
-    """A contiguous CPU tensor's memory as a flat uint8 numpy array (no copy when possible)."""
+    """A contiguous CPU tensor's memory as a numpy array (no copy); written out byte-wise."""
+    if t.dim() and t.dtype in _NUMPY_OK and t.numel():
+        return t.numpy()  # C-contiguous: memoryview(...).cast("B") sees its bytes
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return np.empty(0, dtype=np.uint8)
@@ -86,6 +92,9 @@ def _tensor_bytes(t: "torch.Tensor") -> np.ndarray:
 
 
 def _prepare_tensor(t: "torch.Tensor") -> "torch.Tensor":
+    if t.is_contiguous() and not t.requires_grad and t.layout == torch.strided and not (
+            t.is_conj() or t.is_neg() or t.is_quantized):
+        return t  # the common case, checked cheaply
     if t.layout != torch.strided or t.is_quantized:
         raise EncodeError(
             f"cannot send a {t.layout} tensor (quantized={t.is_quantized}): convert it with "
@@ -172,17 +181,17 @@ class Codec:
         return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb(meta))
 
     def _pack_tensor(self, t: "torch.Tensor", buffers: list[Any]) -> msgpack.ExtType:
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in _TORCH_DTYPES:
+        dtype = _DTYPE_NAMES.get(t.dtype)
+        if dtype is None:
             raise EncodeError(f"cannot send a tensor of dtype {t.dtype}: not supported by mq")
         t = _prepare_tensor(t)
-        device = str(t.device)
+        on_cpu = t.device.type == "cpu"
         if self.keep_tensors:
             buffers.append(t)
         else:
             # CUDA tensors are staged to host; the receiver puts them back on the same index.
-            buffers.append(_tensor_bytes(t.cpu() if t.device.type != "cpu" else t))
-        meta = [dtype, list(t.shape), len(buffers) - 1, device]
+            buffers.append(_tensor_bytes(t if on_cpu else t.cpu()))
+        meta = [dtype, list(t.shape), len(buffers) - 1, "cpu" if on_cpu else str(t.device)]
         return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(meta))
 
     def encode(self, kind: int, topic: str, sender: int, seq: int, corr: int,
@@ -272,7 +281,7 @@ class Codec:
         try:
             head = msgpack.unpackb(view[4:4 + hlen], raw=False, use_list=True,
                                    strict_map_key=False)
-            version, kind, topic, sender, seq, corr, tree, spans = head
+            version, kind, topic, sender, seq, corr, tree, sizes = head
         except Exception as exc:
             raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
         if version != VERSION:
@@ -281,12 +290,14 @@ class Codec:
                 and isinstance(sender, int) and isinstance(tree, bytes)):
             raise ProtocolError("envelope fields have the wrong types")
         buffers = []
-        for span in spans:
-            off, n = span
-            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n
-                    and off + n <= len(view)):
-                raise ProtocolError(f"buffer span {span!r} lies outside the {len(view)}-byte frame")
-            buffers.append(view[off:off + n])
+        pos = _align(4 + hlen)
+        if not isinstance(sizes, list):
+            raise ProtocolError("envelope buffer sizes are not a list")
+        for n in sizes:
+            if not (isinstance(n, int) and 0 <= n and pos + n <= len(view)):
+                raise ProtocolError(f"buffer of {n!r} bytes at offset {pos} overruns the {len(view)}-byte frame")
+            buffers.append(view[pos:pos + n])
+            pos = _align(pos + n)
         return Envelope(kind, topic, sender, seq, corr, self.unpack(tree, buffers))
 
 
@@ -302,20 +313,12 @@ class Encoded:
     @classmethod
     def build(cls, kind: int, topic: str, sender: int, seq: int, corr: int, tree: bytes,
               buffers: list[Any]) -> "Encoded":
-        sizes = [memoryview(b).nbytes for b in buffers]
-        # Offsets depend on the header length, which depends on the offsets: the span
-        # integers change width at most a few times, so iterate to the fixed point.
-        hlen = 0
-        for _ in range(8):
-            offsets, pos = [], _align(4 + hlen)
-            for n in sizes:
-                offsets.append(pos)
-                pos = _align(pos + n)
-            header = msgpack.packb([VERSION, kind, topic, sender, seq, corr, tree,
-                                    [[o, n] for o, n in zip(offsets, sizes)]], use_bin_type=True)
-            if len(header) == hlen:
-                break
-            hlen = len(header)
+        sizes = [b.nbytes if isinstance(b, np.ndarray) else memoryview(b).nbytes for b in buffers]
+        header = msgpack.packb([VERSION, kind, topic, sender, seq, corr, tree, sizes], use_bin_type=True)
+        offsets, pos = [], _align(4 + len(header))
+        for n in sizes:
+            offsets.append(pos)
+            pos = _align(pos + n)
         end = offsets[-1] + sizes[-1] if buffers else 4 + len(header)
         return cls(header, buffers, offsets, end)
 

@@ -97,8 +97,8 @@ class MQ:
         self.labels = frozenset([labels] if isinstance(labels, str) else (labels or ()))
         self.timeout = float(timeout)
         self.codec = codec or Codec(allow_pickle=allow_pickle)
-        self._inbox: queue.Queue[Message] = queue.Queue(maxsize=queue_size)
-        self._handler_queue: queue.Queue[tuple[Callable[[Message], Any], Message]] = queue.Queue(maxsize=queue_size)
+        self._inbox: BoundedQueue = BoundedQueue(queue_size)
+        self._handler_queue: BoundedQueue = BoundedQueue(queue_size)
         self._subscriptions: dict[str, Callable[[Message], Any] | None] = {}
         self._servers: dict[str, Callable[[Any], Any]] = {}
         self._peers: dict[int, Peer] = {}
@@ -461,16 +461,12 @@ class MQ:
             except Exception:
                 log.exception("node %d: handler for %r raised", self.node_id, msg.topic)
 
-    def _put_blocking(self, q: queue.Queue, item: Any) -> None:
+    def _put_blocking(self, q: "BoundedQueue", item: Any) -> None:
         # Block the I/O thread while the queue is full: the transport stops reading and the
         # sender feels backpressure. Wake up now and then to notice stop().
-        while True:
-            try:
-                q.put(item, timeout=0.2)
+        while not q.put(item, timeout=0.2):
+            if self._state != "listening":
                 return
-            except queue.Full:
-                if self._state != "listening":
-                    return
 
     def _send_frame(self, peer: int, kind: int, topic: str, payload: Any, *, timeout: float,
                     corr: int = 0) -> None:
@@ -534,6 +530,35 @@ class MQ:
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} node={self.node_id} labels={sorted(self.labels)} "
                 f"{self._state} peers={self.peers()}>")
+
+
+class BoundedQueue:
+    """A bounded FIFO for one producer (the I/O thread) and any consumers.
+
+    queue.Queue pays for a Python-level Condition on every put and get; the hand-off between the
+    I/O thread and ``recv()`` is on the small-message hot path, so items go through the C
+    SimpleQueue and only the capacity is counted with a semaphore.
+    """
+
+    def __init__(self, capacity: int):
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._slots = threading.Semaphore(capacity)
+
+    def put(self, item: Any, timeout: float) -> bool:
+        """Add ``item``; False if the queue stayed full for ``timeout`` seconds."""
+        if not self._slots.acquire(timeout=timeout):
+            return False
+        self._items.put(item)
+        return True
+
+    def get(self, timeout: float) -> Any:
+        """Next item; raises queue.Empty after ``timeout`` seconds."""
+        item = self._items.get(timeout=timeout)
+        self._slots.release()
+        return item
+
+    def empty(self) -> bool:
+        return self._items.empty()
 
 
 def _check_topic(topic: Any) -> None:

@@ -100,6 +100,7 @@ class NngMQ(MQ):
         self._inbox_sock: pynng.Pull0 | None = None
         self._out: dict[int, pynng.Push0] = {}
         self._out_locks: dict[int, threading.Lock] = {}
+        self._out_timeout: dict[int, int] = {}
         self._bootstrap: dict[str, pynng.Push0] = {}
         self._reader: threading.Thread | None = None
         self._ipc_path: str | None = None
@@ -222,6 +223,7 @@ class NngMQ(MQ):
                 if peer_id in self._out:
                     self._out.pop(peer_id).close()
                 self._out[peer_id] = self._dial_peer(peer_id, address)
+                self._out_timeout.pop(peer_id, None)
                 self._out_locks.setdefault(peer_id, threading.Lock())
         peer = Peer(peer_id, frozenset(info.get("labels") or ()), frozenset(info.get("subscriptions") or ()),
                     route, info=info)
@@ -257,8 +259,9 @@ class NngMQ(MQ):
             raise PeerLost(f"node {peer} has no open link from node {self.node_id}")
         with self._out_locks[peer]:  # one writer per pipe keeps frames in order
             ms = max(0, int(timeout * 1000))
-            if sock.send_timeout != ms:
+            if self._out_timeout.get(peer) != ms:  # reading the option back costs ~10 us
                 sock.send_timeout = ms
+                self._out_timeout[peer] = ms
             try:
                 _send_msg(sock, encoded, block=True)
             except pynng.Timeout:
