@@ -43,7 +43,7 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
               help="Host/IP this machine's workers listen on.")
 @click.option("--ports", default=None, metavar="P[,P...]",
               help="Listen ports, one per worker or a base port (consecutive). "
-                   "Default: ephemeral ports found through a rendezvous store.")
+                   "Default: free ports picked by the launcher.")
 @click.option("--attach-to", default=None, metavar="ADDR[,ADDR...]",
               help="nng: extra peer addresses to join, e.g. tcp://10.0.0.1:50515.")
 @click.option("--node-ids", default=None, metavar="ID[,ID...]",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -42,27 +43,28 @@ _EXT_TUPLE, _EXT_NDARRAY, _EXT_TENSOR, _EXT_PICKLE, _EXT_BYTES = 1, 2, 3, 4, 5
 # bytes values at least this large go out of band too (no copy into the msgpack body).
 _OOB_BYTES_MIN = 64 * 1024
 
-try:  # torch is a dependency, but keep the codec importable for numpy-only users
-    import torch
+# torch is imported on first use: a process that never touches a tensor (a collector stepping
+# numpy environments, `mq doctor`) does not pay its ~1 s import.
+torch: Any = None
+_TORCH_DTYPES: dict[str, Any] = {}
+_DTYPE_NAMES: dict[Any, str] = {}
+_NUMPY_OK: set[Any] = set()
 
-    _TORCH_DTYPES: dict[str, Any] = {
-        str(dt).removeprefix("torch."): dt
-        for dt in (
-            torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-            torch.float16, torch.bfloat16, torch.float32, torch.float64,
-            torch.complex64, torch.complex128,
-        )
-    }
-    for _name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
-        if hasattr(torch, _name):
-            _TORCH_DTYPES[_name] = getattr(torch, _name)
-    _DTYPE_NAMES = {dt: name for name, dt in _TORCH_DTYPES.items()}
-    # dtypes numpy can view directly (the others go through a uint8 view)
-    _NUMPY_OK = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                 torch.float16, torch.float32, torch.float64}
-except ImportError:  # pragma: no cover - torch is installed with mq
-    torch = None  # type: ignore[assignment]
-    _TORCH_DTYPES, _DTYPE_NAMES, _NUMPY_OK = {}, {}, set()
+
+def _load_torch() -> Any:
+    global torch
+    if torch is None:
+        import torch as _torch
+
+        names = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+                 "float32", "float64", "complex64", "complex128",
+                 "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"]
+        _TORCH_DTYPES.update({n: getattr(_torch, n) for n in names if hasattr(_torch, n)})
+        _DTYPE_NAMES.update({dt: n for n, dt in _TORCH_DTYPES.items()})
+        # dtypes numpy can view directly (the others go through a uint8 view)
+        _NUMPY_OK.update(_TORCH_DTYPES[n] for n in names[:7] + ["float32", "float64"])
+        torch = _torch
+    return torch
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ class Envelope:
 
 
 def _is_tensor(obj: Any) -> bool:
-    return torch is not None and isinstance(obj, torch.Tensor)
+    # If torch was never imported, nothing can be a tensor.
+    mod = sys.modules.get("torch")
+    return mod is not None and isinstance(obj, mod.Tensor)
 
 
 def _tensor_bytes(t: "torch.Tensor") -> np.ndarray:
@@ -181,6 +185,7 @@ class Codec:
         return msgpack.ExtType(_EXT_NDARRAY, msgpack.packb(meta))
 
     def _pack_tensor(self, t: "torch.Tensor", buffers: list[Any]) -> msgpack.ExtType:
+        _load_torch()
         dtype = _DTYPE_NAMES.get(t.dtype)
         if dtype is None:
             raise EncodeError(f"cannot send a tensor of dtype {t.dtype}: not supported by mq")
@@ -245,6 +250,7 @@ class Codec:
 
     def _unpack_tensor(self, data: bytes, buffers: Sequence[Any]) -> Any:
         dtype_name, shape, index, device = msgpack.unpackb(data)
+        _load_torch()
         dtype = _TORCH_DTYPES.get(dtype_name)
         if dtype is None:
             raise ProtocolError(f"unknown tensor dtype {dtype_name!r}")

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -400,12 +400,15 @@ class MQ:
                 self._stats.dropped_unexpected_reply += 1  # a reply after its call timed out
                 return
             peer, fut = entry
-            if env.kind == REP_OK:
-                fut.set_result(env.payload)
-            else:
-                p = env.payload if isinstance(env.payload, dict) else {}
-                fut.set_exception(RemoteError(str(p.get("type", "?")), str(p.get("message", "")),
-                                              str(p.get("traceback", "")), peer=env.sender))
+            try:
+                if env.kind == REP_OK:
+                    fut.set_result(env.payload)
+                else:
+                    p = env.payload if isinstance(env.payload, dict) else {}
+                    fut.set_exception(RemoteError(str(p.get("type", "?")), str(p.get("message", "")),
+                                                  str(p.get("traceback", "")), peer=env.sender))
+            except InvalidStateError:  # the call already failed (peer lost, stop) or timed out
+                self._stats.dropped_unexpected_reply += 1
         elif env.kind == SUBS:
             topics = env.payload if isinstance(env.payload, list) else []
             with self._peers_changed:
@@ -517,8 +520,11 @@ class MQ:
             pending = list(self._calls.values())
         for peer, fut in pending:
             err = error_for(peer)
-            if err is not None and not fut.done():
-                fut.set_exception(err)
+            if err is not None:
+                try:
+                    fut.set_exception(err)
+                except InvalidStateError:  # answered in the meantime
+                    pass
 
     def _timeout(self, timeout: float | None) -> float:
         if timeout is None:

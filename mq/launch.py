@@ -242,10 +242,12 @@ def _nng_options(ids: list[int], topology: str, protocol: str, address: str, por
         return {n: {"listen_to": listen[n],
                     "attach_to": [listen[t] for t in attach_targets(n, ids, topology)] + extra_attach}
                 for n in ids}
-    if extra_attach and not init_method:
-        return {n: {"listen_to": f"tcp://{address}:0", "attach_to": list(extra_attach)} for n in ids}
-    # No ports given: a rendezvous store on a free port finds the (ephemeral) addresses.
-    im = init_method or f"tcp://{address}:{free_port(address)}"
+    if not init_method:
+        # No ports given: the launcher picks free ones. (A rendezvous store would work too, but
+        # it needs torch.distributed, a one-second import for every worker.)
+        return _nng_options(ids, topology, protocol, address, [free_port(address) for _ in ids],
+                            extra_attach, None, world)
+    im = init_method
     return {n: {"listen_to": f"tcp://{address}:0", "init_method": im, "world_size": world,
                 "topology": topology, "attach_to": list(extra_attach)} for n in ids}
 
