@@ -22,7 +22,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90"],
         "bench": ["matplotlib>=3.7"],
         "gpu": ["nvidia-ml-py>=12"],
-        "atari": ["gymnasium>=1.0", "ale-py>=0.10"],
+        "atari": ["gymnasium>=1.0", "ale-py>=0.12"],
         "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", "matplotlib>=3.7", "ruff"],
     },
     entry_points={"console_scripts": ["mq=mq.cli.main:main"]},

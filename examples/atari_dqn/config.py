@@ -90,7 +90,8 @@ class Args:
 
 
 # Presets: CleanRL's dqn_atari.py for Atari (buffer shrunk to fit a workstation's memory), and
-# a faster-learning setting for classic control, measured to solve CartPole in minutes on 2 cores.
+# a faster-learning setting for classic control (CartPole passes a mean return of 100 in ~4-7k
+# env steps, under a minute on 2 cores; see README.md).
 PRESETS: dict[str, dict[str, Any]] = {
     "atari": dict(total_steps=10_000_000, learning_rate=1e-4, buffer_size=100_000, batch_size=32,
                   learning_starts=80_000, train_frequency=4, target_update=250, end_e=0.01,

@@ -123,7 +123,7 @@ def _make_atari(env_id: str, num_envs: int) -> VecEnv:
     on reset, no sticky actions, full episodes (no life loss), raw rewards (the learner clips)."""
     game = atari_game(env_id)
     ale_py = _ale()
-    if hasattr(ale_py, "AtariVectorEnv"):  # ale-py >= 0.11: preprocessing in C++, no OpenCV
+    if _vector_env_ok(ale_py):  # ale-py >= 0.12: preprocessing in C++, no OpenCV
         env = ale_py.AtariVectorEnv(game, num_envs=num_envs, num_threads=1, autoreset_mode="SameStep",
                                     reward_clipping=False, episodic_life=False, repeat_action_probability=0.0,
                                     img_height=84, img_width=84, grayscale=True, stack_num=4,
@@ -134,14 +134,25 @@ def _make_atari(env_id: str, num_envs: int) -> VecEnv:
     return VecEnv(env, EnvSpec(env_id, "atari", (4, 84, 84), "uint8", n_actions), num_envs)
 
 
+def _vector_env_ok(ale_py: Any) -> bool:
+    """ale-py has AtariVectorEnv with an autoreset_mode option (same-step autoreset, final_obs)."""
+    import inspect
+
+    cls = getattr(ale_py, "AtariVectorEnv", None)
+    try:
+        return cls is not None and "autoreset_mode" in inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _make_atari_gym(env_id: str, game: str, num_envs: int) -> tuple[Any, int]:
     gym, ale_py = _gym(), _ale()
     gym.register_envs(ale_py)
     try:
         import cv2  # noqa: F401  (AtariPreprocessing resizes with OpenCV)
     except ImportError as exc:
-        raise SetupError(f"ale-py {ale_py.__version__} has no AtariVectorEnv and gymnasium's "
-                         f"AtariPreprocessing needs OpenCV ({exc}): pip install -U 'ale-py>=0.11' "
+        raise SetupError(f"ale-py {ale_py.__version__} has no AtariVectorEnv with same-step autoreset and "
+                         f"gymnasium's AtariPreprocessing needs OpenCV ({exc}): pip install -U 'ale-py>=0.12' "
                          f"(or pip install opencv-python-headless)") from None
     from gymnasium.vector import AutoresetMode
     from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
