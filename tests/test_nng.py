@@ -116,15 +116,20 @@ def test_pending_call_fails_with_peer_lost_when_the_peer_dies(node):
         proc.wait(5)
 
 
-def test_rendezvous_finds_peers_without_attach_lists():
-    init = f"tcp://127.0.0.1:{free_port()}"
-    nodes = [mq.create("nng", i, "collector" if i else "learner", init_method=init, world_size=3,
-                       timeout=10) for i in range(3)]
+def listen_all(nodes):
+    """listen() blocks in the rendezvous until every node registered: start them together."""
     threads = [threading.Thread(target=n.listen) for n in nodes]
     for t in threads:
         t.start()
     for t in threads:
         t.join(20)
+    return nodes
+
+
+def test_rendezvous_finds_peers_without_attach_lists():
+    init = f"tcp://127.0.0.1:{free_port()}"
+    nodes = listen_all([mq.create("nng", i, "collector" if i else "learner", init_method=init,
+                                  world_size=3, timeout=10) for i in range(3)])
     try:
         for n in nodes:
             n.wait_for_peers(2, timeout=10)
@@ -146,12 +151,7 @@ def test_rendezvous_env_and_file_forms(tmp_path, monkeypatch):
     assert (spec.host, spec.port, spec.rank, spec.world_size) == ("127.0.0.1", 29500, 1, 4)
     assert parse_init_method(f"file://{tmp_path}/rdv").path == f"{tmp_path}/rdv"
     path = f"file://{tmp_path}/store"
-    nodes = [mq.create("nng", i, init_method=path, world_size=2, timeout=10) for i in range(2)]
-    threads = [threading.Thread(target=n.listen) for n in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    nodes = listen_all([mq.create("nng", i, init_method=path, world_size=2, timeout=10) for i in range(2)])
     try:
         nodes[1].wait_for_peers(ids=[0], timeout=10)
     finally:
