@@ -1,0 +1,250 @@
+"""The torch RPC backend on real spawned processes over loopback.
+
+Node programs live in tests/torchrpc_peer.py (spawned processes import them); every process
+is joined or killed in a ``finally``. The backend-agnostic behaviour (backpressure, handlers,
+publish filtering) is covered for torchrpc:cpu by tests/test_conformance.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available() or not torch.distributed.rpc.is_available():
+    pytest.skip("this torch build has no torch.distributed.rpc", allow_module_level=True)
+
+import mq  # noqa: E402
+import torchrpc_peer as peer  # noqa: E402
+from mq.launch import free_port  # noqa: E402
+from mq.routing import ROUTE_KINDS  # noqa: E402
+
+# Spawned workers import torch (seconds each on a loaded machine): generous outer bounds, tight
+# inner ones where the test is about time.
+STARTUP_S = 90.0
+
+
+def tcp() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+class Group:
+    """``world_size`` spawned processes each running one scenario of torchrpc_peer."""
+
+    def __init__(self, scenario: str, world_size: int, init_method: str | None = None,
+                 **kw: Any):
+        self.ctx = mp.get_context("spawn")
+        self.out = self.ctx.Queue()
+        self.world_size = world_size
+        self.init_method = init_method or tcp()
+        self.procs = [self.ctx.Process(target=peer.entry, name=f"torchrpc-node-{n}",
+                                       args=(scenario, n, world_size, self.init_method, self.out, kw))
+                      for n in range(world_size)]
+        self.reported: dict[int, float] = {}
+
+    def __enter__(self) -> "Group":
+        for p in self.procs:
+            p.start()
+        return self
+
+    def results(self, expect: list[int] | None = None, timeout: float = STARTUP_S) -> dict[int, Any]:
+        """Wait for the nodes in ``expect`` (default: all) to report; raise on a node's error."""
+        expect = list(range(self.world_size)) if expect is None else expect
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while set(results) < set(expect):
+            try:
+                node, status, value, _ = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"nodes {sorted(set(expect) - set(results))} did not report "
+                                     f"within {timeout:g}s; exit codes {self.exitcodes()}") from None
+            self.reported[node] = time.monotonic()
+            if status != "ok":
+                raise AssertionError(f"node {node} failed:\n{value}")
+            results[node] = value
+        return results
+
+    def exitcodes(self) -> list[int | None]:
+        return [p.exitcode for p in self.procs]
+
+    def join(self, nodes: list[int] | None = None, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        for n in nodes if nodes is not None else range(self.world_size):
+            self.procs[n].join(max(0.0, deadline - time.monotonic()))
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in self.procs:
+            if p.exitcode is None:
+                p.join(0.1 if exc[0] else 10.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+        self.out.close()
+        self.out.join_thread()
+
+
+# ---------------------------------------------------------------------- exchange
+@pytest.mark.timeout(180)
+def test_three_node_exchange_send_publish_call_order_payload():
+    with Group("exchange", 3) as g:
+        res = g.results()
+        g.join()
+        assert g.exitcodes() == [0, 0, 0]
+    learner, c1, c2 = res[0], res[1], res[2]
+    assert learner["peers"] == [1, 2] and learner["collectors"] == [1, 2] and learner["learners"] == []
+    assert c1["learners"] == [0] and c1["collectors"] == [2]
+    for r in res.values():
+        assert {name for name, _, _ in r["routes"].values()} == {"Route"}
+        assert {kind for _, kind, _ in r["routes"].values()} <= set(ROUTE_KINDS)
+        assert {gpu for _, _, gpu in r["routes"].values()} <= set(ROUTE_KINDS) - {"nvlink"}  # torchrpc:cpu
+    assert learner["seq"] == list(range(peer.ORDERED)), "messages lost, duplicated or reordered"
+    assert learner["payload_ok"], "numpy / tensor / bf16 / bytes payload changed in transit"
+    assert learner["stats"] == [(1, {"node": 1}), (2, {"node": 2})]
+    assert learner["done"] == [1, 2] and learner["extra"] is False
+    assert learner["model_to"] == [2], "publish must reach only subscribers"
+    assert c2["model"] == ("model", 0, [1.0, 1.0, 1.0, 1.0])
+    for c in (c1, c2):
+        assert c["double"] == 42
+        assert c["remote_error"] == ("KeyError", "'missing'", 0)
+        assert c["published_to"] == [0]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("scheme", ["file", "env"])
+def test_file_and_env_init_methods(scheme, tmp_path):
+    if scheme == "file":
+        init_method, env = f"file://{tmp_path / 'rendezvous'}", {}
+    else:
+        init_method, env = "env://", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with Group("init_variant", 2, init_method, env=env) as g:
+        res = g.results()
+        g.join()
+    assert res[0] == ("hi", 1, [1])
+
+
+# ---------------------------------------------------------------------- failures
+@pytest.mark.timeout(180)
+def test_sigkilled_peer_raises_within_bound_and_stop_is_bounded():
+    with Group("sigkill", 3) as g:
+        res = g.results(expect=[0, 1])
+        g.join([0, 1], timeout=10.0)
+        exited = {n: g.procs[n].exitcode for n in (0, 1)}
+        exit_s = {n: time.monotonic() - g.reported[n] for n in (0, 1)}
+        g.join([2], timeout=5.0)
+        assert g.procs[2].exitcode == -9
+    for node in (0, 1):
+        r = res[node]
+        assert r["error"] is not None, f"node {node} never noticed node 2 died"
+        kind, text = r["error"]
+        assert kind in ("PeerLost", "Timeout") and "node 2" in text, r
+        # A send fails at once or through the heartbeat (1 s); a call must not wait out its
+        # 20 s timeout: the heartbeat turns the death into PeerLost.
+        assert r["detected_s"] < 6.0, r
+        assert r["stop_s"] < 6.0, r
+        assert 2 not in r["peers_after"]
+        assert exited[node] == 0, f"node {node} did not exit after stop(): {exited}, {exit_s}"
+    assert res[1]["error"][0] == "PeerLost", res[1]
+
+
+@pytest.mark.timeout(120)
+def test_stop_abandons_a_hanging_rpc_shutdown_and_the_process_exits():
+    with Group("stop_abandoned", 2) as g:
+        res = g.results()
+        g.join(timeout=10.0)
+        assert g.exitcodes() == [0, 0], "a worker whose rpc.shutdown hangs must still exit"
+    assert res[0]["stop_s"] < 3.5, res
+
+
+# ---------------------------------------------------------------------- safety and semantics
+@pytest.mark.timeout(120)
+def test_data_path_never_unpickles():
+    with Group("no_unpickle", 2) as g:
+        res = g.results()
+        g.join()
+    for node, r in res.items():
+        assert r["got"] == 20 and r["echo"] == [0, 1, 2]
+        assert r["calls"] == [], f"node {node} unpickled network data: {r['calls']}"
+    # The traps work: node 1 unpickled node 0's Python-function request, node 0 the answer.
+    assert "rpc-pickler" in res[1]["control"] and "rpc-pickler" in res[0]["control"], res
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("options", [{}, {"copy_threshold": 0}, {"copy_threshold": 1 << 40}],
+                         ids=["default", "never-copy", "always-copy"])
+def test_sender_may_modify_buffers_after_send_returns(options):
+    with Group("copy_semantics", 2, **options) as g:
+        res = g.results()
+        g.join()
+    assert res[0] == [(float(i), float(i)) for i in range(5)]
+
+
+@pytest.mark.timeout(120)
+def test_one_rpc_agent_per_process():
+    with Group("second_agent", 1, init_method2=tcp()) as g:
+        res = g.results()
+        g.join()
+    assert res[0]["refused"] and "one RPC agent per process" in res[0]["refused"]
+    assert res[0]["restart"] is True
+
+
+@pytest.mark.timeout(180)
+def test_launch_three_workers(tmp_path):
+    mq.launch(peer.launch_main, n_workers=3, mq_type="torchrpc:cpu", args={"out": str(tmp_path)})
+    for node in range(3):
+        text = (tmp_path / f"{node}.txt").read_text()
+        assert text == f"torchrpc:cpu {(node - 1) % 3} {sorted({0, 1, 2} - {node})}"
+
+
+# ---------------------------------------------------------------------- configuration errors
+def test_device_map_with_torchrpc_cpu_is_a_config_error():
+    with pytest.raises(mq.ConfigError, match="torchrpc:cuda"):
+        mq.create("torchrpc:cpu", 0, world_size=2, init_method=tcp(), cuda_device_map="1_0_0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_torchrpc_cuda_without_gpu_is_a_config_error():
+    with pytest.raises(mq.ConfigError, match="no.*visible|none is visible") as info:
+        mq.create("torchrpc:cuda", 0, world_size=2, init_method=tcp())
+    assert "torchrpc:cpu" in str(info.value)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"world_size": 2}, "init_method"),
+    ({"init_method": "tcp://127.0.0.1:1"}, "world_size"),
+    ({"init_method": "udp://x:1", "world_size": 2}, "tcp://, env:// or file://"),
+    ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "node_id": 2}, r"\[0, world_size=2\)"),
+    ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "device": "tpu"}, "device"),
+    ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "send_window": 0}, "send_window"),
+    ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "socket_ifname": "nosuch9"}, "socket_ifname"),
+    ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "local_cuda_devices": [0, 0]}, "twice"),
+])
+def test_bad_options_are_config_errors(options, match):
+    from mq.backends.torchrpc import TorchRpcMQ
+
+    options = dict(options)
+    node_id = options.pop("node_id", 0)
+    with pytest.raises(mq.ConfigError, match=match):
+        TorchRpcMQ(node_id, **options)
+
+
+# ---------------------------------------------------------------------- GPUs
+@pytest.mark.cuda
+@pytest.mark.timeout(180)
+def test_cuda_tensor_moves_device_to_device_with_a_device_map():
+    with Group("cuda_transfer", 2, mq_type="torchrpc:cuda", device_map="0_0_0,1_0_0") as g:
+        res = g.results()
+        g.join()
+    assert res[0] == {"device": "cuda:0", "ok": True, "cpu_device": "cpu"}
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(180)
+def test_cuda_tensor_is_staged_through_host_with_torchrpc_cpu():
+    with Group("cuda_transfer", 2, mq_type="torchrpc:cpu", device_map=None) as g:
+        res = g.results()
+        g.join()
+    assert res[0] == {"device": "cuda:0", "ok": True, "cpu_device": "cpu"}

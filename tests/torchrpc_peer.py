@@ -1,0 +1,344 @@
+"""Node programs for tests/test_torchrpc.py, importable by spawned processes.
+
+Each scenario is ``scenario(node_id, world_size, init_method, **kw) -> result``; :func:`entry`
+runs one in a fresh process and reports ``(node_id, "ok" | "error", result, time)`` on a
+multiprocessing queue (our own processes talking, not network data of the queue under test).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+
+import mq
+
+ORDERED = 500
+
+
+def entry(scenario: str, node_id: int, world_size: int, init_method: str, out: Any,
+          kw: dict[str, Any]) -> None:
+    try:
+        result = globals()[scenario](node_id, world_size, init_method, **kw)
+        out.put((node_id, "ok", result, time.monotonic()))
+    except BaseException:
+        out.put((node_id, "error", traceback.format_exc(), time.monotonic()))
+
+
+def _create(node_id: int, world_size: int, init_method: str, labels: Any = None, **options: Any) -> mq.MQ:
+    mq_type = options.pop("mq_type", "torchrpc:cpu")
+    return mq.create(mq_type, node_id, labels, world_size=world_size, init_method=init_method,
+                     timeout=options.pop("timeout", 15.0), **options)
+
+
+def payload() -> dict[str, Any]:
+    return {
+        "obs": np.arange(24, dtype=np.uint8).reshape(2, 3, 4),
+        "f64": np.linspace(0, 1, 7),
+        "strided": np.arange(20, dtype=np.float32).reshape(4, 5)[:, ::2],
+        "w": torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),
+        "bf16": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
+        "u8": torch.arange(5, dtype=torch.uint8),
+        "empty": torch.zeros(0, 3),
+        "big": b"x" * 100_000,
+        "meta": {"step": 3, "name": "ü", "t": (1, 2.0)},
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b.to(a.device)))
+    return type(a) is type(b) and a == b
+
+
+def _recv_until(q: mq.MQ, want: int, timeout: float = 20.0) -> list[mq.Message]:
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < want:
+        out.append(q.recv(timeout=max(0.01, deadline - time.monotonic())))
+    return out
+
+
+# ---------------------------------------------------------------------- scenarios
+def exchange(node_id: int, world_size: int, init_method: str) -> Any:
+    """Node 0 serves calls and receives; node 1 streams 500 ordered messages and a mixed
+    payload; node 2 subscribes to what node 0 publishes; everyone publishes stats."""
+    labels = ["learner"] if node_id == 0 else ["collector"]
+    with _create(node_id, world_size, init_method, labels) as q:
+        q.wait_for_peers(world_size - 1, timeout=20)
+        res: dict[str, Any] = {
+            "peers": q.peers(), "collectors": q.peers(label="collector"),
+            "learners": q.peers(label="learner"),
+            "routes": {p: (type(r).__name__, r.kind, r.gpu) for p, r in q.routes().items()},
+        }
+        if node_id == 0:
+            q.on("fail", lambda x: {}["missing"])
+            q.on("double", lambda x: x * 2)  # last: the others poll it to know both are served
+            q.subscribe("stats")
+            q.wait_for_subscribers("model", 1, timeout=20)
+            res["model_to"] = q.publish("model", {"weights": torch.ones(4)})
+            msgs = _recv_until(q, ORDERED + 1 + 2 + 2)  # seq, payload, stats x2, done x2
+            res["seq"] = [m.payload for m in msgs if m.topic == "seq"]
+            res["payload_ok"] = same(payload(), [m.payload for m in msgs if m.topic == "payload"][0])
+            res["stats"] = sorted((m.sender, m.payload) for m in msgs if m.topic == "stats")
+            res["done"] = sorted(m.sender for m in msgs if m.topic == "done")
+            try:
+                q.recv(timeout=0.3)
+                res["extra"] = True
+            except mq.Timeout:
+                res["extra"] = False
+            return res
+        if node_id == 2:
+            q.subscribe("model")
+        q.wait_for_subscribers("stats", 1, timeout=20)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                res["double"] = q.call(0, "double", 21, timeout=5)
+                break
+            except mq.RemoteError:  # not registered yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        try:
+            q.call(0, "fail", None, timeout=5)
+        except mq.RemoteError as exc:
+            res["remote_error"] = (exc.remote_type, exc.remote_message, exc.peer)
+        if node_id == 1:
+            for i in range(ORDERED):
+                q.send(0, "seq", i)
+            q.send(0, "payload", payload())
+        else:
+            m = q.recv(timeout=20)
+            res["model"] = (m.topic, m.sender, m.payload["weights"].tolist())
+        res["published_to"] = q.publish("stats", {"node": node_id})
+        q.send(0, "done", None)
+        return res
+
+
+def sigkill(node_id: int, world_size: int, init_method: str) -> Any:
+    """Node 2 dies by SIGKILL; node 0 keeps sending to it, node 1 keeps calling it."""
+    q = _create(node_id, world_size, init_method, timeout=10.0)
+    q.listen()
+    q.wait_for_peers(world_size - 1, timeout=20)
+    if node_id == 2:
+        q.on("echo", lambda x: x)
+        _recv_until(q, 2)  # both others joined everyone: our death cannot race their join
+        for peer in (0, 1):
+            q.send(peer, "dying", None)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    q.send(2, "ready", None)
+    assert q.recv(timeout=20).topic == "dying"
+    t0 = time.monotonic()
+    error = None
+    while time.monotonic() - t0 < 30:
+        try:
+            if node_id == 0:
+                q.send(2, "data", np.zeros(1000), timeout=5)
+            else:
+                q.call(2, "echo", 1, timeout=20)
+        except (mq.PeerLost, mq.Timeout) as exc:
+            error = (type(exc).__name__, str(exc))
+            break
+        time.sleep(0.02)
+    detected = time.monotonic() - t0
+    t1 = time.monotonic()
+    q.stop(timeout=5.0)
+    return {"error": error, "detected_s": detected, "stop_s": time.monotonic() - t1,
+            "peers_after": q.peers()}
+
+
+def stop_abandoned(node_id: int, world_size: int, init_method: str) -> Any:
+    """rpc.shutdown hangs (as torch's does when a peer died): stop() still returns in time."""
+    q = _create(node_id, world_size, init_method)
+    q.listen()
+    if node_id == 0:
+        q.wait_for_peers(world_size - 1, timeout=20)
+        import torch.distributed.rpc as rpc
+
+        rpc.shutdown = lambda *a, **k: time.sleep(3600)  # type: ignore[assignment]
+        q.send(1, "x", 1)
+        t0 = time.monotonic()
+        q.stop(timeout=2.0)
+        return {"stop_s": time.monotonic() - t0}
+    q.subscribe("x")
+    q.recv(timeout=20)
+    q.stop(timeout=2.0)
+    return {}
+
+
+def no_unpickle(node_id: int, world_size: int, init_method: str) -> Any:
+    """After joining, neither side unpickles anything while messages, calls and tensors flow."""
+    from torch.distributed.rpc import internal
+
+    calls: list[str] = []
+
+    def trap(name: str, fn: Any) -> Any:
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls.append(name)
+            return fn(*a, **k)
+        return wrapped
+
+    with _create(node_id, world_size, init_method) as q:
+        q.wait_for_peers(world_size - 1, timeout=20)
+        pickle.loads = trap("pickle.loads", pickle.loads)
+        pickle.load = trap("pickle.load", pickle.load)
+        rpc_pickler = internal._InternalRPCPickler
+        rpc_pickler.deserialize = trap("rpc-pickler", rpc_pickler.deserialize)
+        q.on("echo", lambda x: x)
+        q.subscribe("data")
+        other = 1 - node_id
+        q.wait_for_subscribers("data", 1, timeout=20)
+        for i in range(20):
+            q.send(other, "data", {"i": i, "t": torch.randn(3), "a": np.ones(5)})
+        got = _recv_until(q, 20)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                echoed = q.call(other, "echo", {"t": torch.arange(3)}, timeout=5)
+                break
+            except mq.RemoteError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        q.send(other, "data", "end")
+        _recv_until(q, 1)
+        clean = list(calls)
+        # Positive control: a Python-function RPC (what mq never sends) does hit the traps.
+        if node_id == 0:
+            import torch.distributed.rpc as rpc
+
+            assert rpc.rpc_sync("mq1", _python_udf, args=(20,)) == 21
+        q.send(other, "data", "control done")
+        _recv_until(q, 1)
+    return {"calls": clean, "control": calls[len(clean):], "got": len(got),
+            "echo": echoed["t"].tolist()}
+
+
+def _python_udf(x: int) -> int:
+    return x + 1
+
+
+def copy_semantics(node_id: int, world_size: int, init_method: str, **options: Any) -> Any:
+    """The sender changes its buffers right after send()/publish() returns; the receiver must
+    never see the change, for small (copied) and large (sent in place) frames alike."""
+    with _create(node_id, world_size, init_method, **options) as q:
+        q.subscribe("w")
+        q.wait_for_peers(1, timeout=20)
+        if node_id == 1:
+            arr = np.zeros(1 << 20, dtype=np.float32)  # 4 MiB: above the default copy threshold
+            ten = torch.zeros(1 << 20)
+            small = np.zeros(16)
+            q.wait_for_subscribers("w", 1, timeout=20)
+            for i in range(5):
+                arr[:], ten[:], small[:] = i, i, i
+                q.send(0, "w", {"arr": arr, "ten": ten})
+                q.send(0, "w", {"small": small})
+                arr[:], ten[:], small[:] = -1, -1, -1
+                q.publish("w", {"arr": arr * 0 + i, "ten": ten * 0 + i})
+            q.send(0, "end", None)
+            q.recv(timeout=20)
+            return None
+        msgs = _recv_until(q, 16)
+        seen = sorted({(float(v.min()), float(v.max())) for m in msgs if m.topic == "w"
+                       for v in m.payload.values()})
+        q.send(1, "w", "ack")
+        return seen
+
+
+def second_agent(node_id: int, world_size: int, init_method: str, init_method2: str) -> Any:
+    """One RPC agent per process: a second listening queue is a ConfigError; after stop() a
+    new one may start."""
+    first = _create(node_id, world_size, init_method)
+    first.listen()
+    second = _create(node_id, world_size, init_method2)
+    try:
+        second.listen()
+        refused = None
+    except mq.ConfigError as exc:
+        refused = str(exc)
+    first.stop()
+    third = _create(node_id, world_size, init_method2)
+    third.listen()
+    running = third.running
+    third.stop()
+    return {"refused": refused, "restart": running}
+
+
+def init_variant(node_id: int, world_size: int, init_method: str, env: dict[str, str]) -> Any:
+    os.environ.update(env)
+    with _create(node_id, world_size, init_method) as q:
+        q.wait_for_peers(world_size - 1, timeout=20)
+        if node_id == 1:
+            q.send(0, "hi", torch.tensor([node_id]))
+            q.subscribe("bye")
+            q.recv(timeout=20)
+            return None
+        m = q.recv(timeout=20)
+        q.wait_for_subscribers("bye", 1, timeout=20)
+        q.send(1, "bye", None)
+        return (m.topic, m.sender, m.payload.tolist())
+
+
+def cuda_transfer(node_id: int, world_size: int, init_method: str, mq_type: str,
+                  device_map: str | None) -> Any:
+    """Node 1 sends a CUDA tensor to node 0: with torchrpc:cuda it moves device to device by the
+    map; with torchrpc:cpu it is staged through host and put back on the GPU."""
+    opts: dict[str, Any] = {"mq_type": mq_type}
+    if device_map is not None:
+        opts["cuda_device_map"] = device_map
+    with _create(node_id, world_size, init_method, **opts) as q:
+        q.wait_for_peers(1, timeout=30)
+        if node_id == 1:
+            t = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+            q.send(0, "t", {"t": t, "cpu": torch.ones(3)})
+            q.subscribe("ack")
+            q.recv(timeout=30)
+            return None
+        m = q.recv(timeout=30)
+        t = m.payload["t"]
+        ok = bool(torch.equal(t.cpu(), torch.arange(1 << 20, dtype=torch.float32)))
+        q.wait_for_subscribers("ack", 1, timeout=30)
+        q.send(1, "ack", None)
+        return {"device": str(t.device), "ok": ok, "cpu_device": str(m.payload["cpu"].device)}
+
+
+# ---------------------------------------------------------------------- through mq.launch
+def launch_main(ctx: mq.Context) -> None:
+    """A ring: every node sends its id to the next one and checks what the previous sent."""
+    q = ctx.mq
+    n = len(ctx.node_ids)
+    q.subscribe("ring")
+    q.subscribe("done")
+    q.wait_for_peers(n - 1, timeout=20)
+    nxt, prev = (ctx.node_id + 1) % n, (ctx.node_id - 1) % n
+    q.wait_for_subscribers("ring", n - 1, timeout=20)
+    q.send(nxt, "ring", {"from": ctx.node_id, "t": torch.full((2,), float(ctx.node_id))})
+    ring, done = [], 0
+    deadline = time.monotonic() + 20
+    while not ring or done < n - 1:  # leave together: an early stop would look like a loss
+        m = q.recv(timeout=max(0.01, deadline - time.monotonic()))
+        if m.topic == "done":
+            done += 1
+            continue
+        ring.append(m)
+        assert m.sender == prev and m.payload["from"] == prev, m
+        assert m.payload["t"].tolist() == [float(prev)] * 2
+        with open(os.path.join(ctx.args["out"], f"{ctx.node_id}.txt"), "w") as f:
+            f.write(f"{ctx.mq_type} {m.sender} {sorted(q.peers())}")
+        q.wait_for_subscribers("done", n - 1, timeout=20)
+        q.publish("done", ctx.node_id)
