@@ -34,8 +34,14 @@ class _OneLineErrors(click.Command):
             raise click.UsageError(exc.format_message()) from None
 
 
-def _fail(message: str) -> click.UsageError:
-    return click.UsageError(" ".join(str(message).split()))
+class _BadValue(click.ClickException):
+    """A bad option value found after parsing: one line, exit code 2 (like a usage error)."""
+
+    exit_code = 2
+
+
+def _fail(message: str) -> click.ClickException:
+    return _BadValue(" ".join(str(message).split()))
 
 
 @click.command("bench", cls=_OneLineErrors)
@@ -200,7 +206,8 @@ def _print_tables(report: lib.Report) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # A pipe or file gets the full width rather than rich's 80-column default.
+    console = Console(width=None if sys.stdout.isatty() else 180)
     console.print(f"[bold]mq bench[/bold]  {lib.machine_line(report.machine)}")
     if report.links:
         t = Table(title="link ceilings (raw socket stream, one direction)", title_justify="left")

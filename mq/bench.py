@@ -64,7 +64,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from mq.errors import ConfigError, MQError
+from mq.errors import ConfigError
 
 log = logging.getLogger("mq.bench")
 
@@ -186,6 +186,21 @@ class BenchConfig:
         return self.devices.get(mq_type, self.device)
 
 
+# Workers run a full garbage collection after every round trip of at least this many bytes,
+# outside the timed region (B: after its echo has been sent), for every row kind, baselines
+# included, so ratios stay fair. It was added when mq's codec still built reference cycles that
+# kept large frames alive until the cyclic collector ran (an nng echo worker reached 9.3 GiB at
+# 1.25 GB); the codec now breaks them, and this keeps RSS flat for the raw baselines too.
+GC_EACH_BYTES = 64 * MB
+
+
+def _nbytes(obj: Any) -> int:
+    try:
+        return int(obj.numel() * obj.element_size())
+    except Exception:
+        return 0
+
+
 def _hard_timeout(size: int) -> float:
     """Longest a single round trip may take before the row is declared hung."""
     return 30.0 + size / 25e6
@@ -258,6 +273,8 @@ class _Endpoint:
                 _check_echo(t, out)
             del out
             warm.append(ns)
+            if size >= GC_EACH_BYTES:
+                gc.collect()
             if time.monotonic() - start >= min(warm_cap_s, cap_s):
                 break
         last = (warm[-1] / 1e9) if warm else rt_hint_s
@@ -269,6 +286,8 @@ class _Endpoint:
             del out
             samples.append(ns)
             last = ns / 1e9
+            if size >= GC_EACH_BYTES:
+                gc.collect()  # not timed; see GC_EACH_BYTES
         elapsed = time.monotonic() - start
         if size >= 256 * MB:  # don't sit on GBs while other rows of the group run
             self.free()
@@ -348,7 +367,10 @@ class _MqEndpoint(_Endpoint):
                 q.send(m.sender, m.topic, m.payload, timeout=_hard_timeout(1 << 31))
             except mq.MQError as exc:
                 self.error = f"echo failed: {exc}"
+            big = _nbytes(m.payload) >= GC_EACH_BYTES
             del m
+            if big:
+                gc.collect()  # after the echo left: A is receiving it meanwhile
 
     def roundtrip(self, t: Any, timeout: float) -> tuple[int, Any]:
         q = self.q
@@ -402,6 +424,10 @@ class _PynngEndpoint(_Endpoint):
             self.sock.recv_timeout = int(CONNECT_TIMEOUT_S * 1000)
             if self.sock.recv() != b"hello":
                 raise RuntimeError("raw pynng peer sent an unexpected greeting")
+            if self._ipc_path:  # connected (Pair0 takes one peer): drop the path now
+                with contextlib.suppress(OSError):
+                    os.unlink(self._ipc_path)
+                self._ipc_path = None
         return {"route": "ipc" if self.spec["route"] == "ipc" else "tcp"}
 
     def _echo_loop(self) -> None:
@@ -507,6 +533,7 @@ class _StreamEndpoint(_Endpoint):
             assert self.server is not None
             self.sock, _ = self.server.accept()
             self.sock.settimeout(_hard_timeout(MAX_SIZE))
+            self._unlink()  # connected: the path is not needed any more
         else:
             family = socket.AF_UNIX if self.spec["route"] == "unix" else socket.AF_INET
             self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -562,14 +589,18 @@ class _StreamEndpoint(_Endpoint):
         dt = self._send(nbytes)
         return {"bytes": nbytes, "seconds": dt, "gbps": nbytes * 8 / dt / 1e9}
 
+    def _unlink(self) -> None:
+        if self._path:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
+            self._path = None
+
     def close(self) -> None:
         for s in (self.sock, self.server):
             if s is not None:
                 with contextlib.suppress(OSError):
                     s.close()
-        if self._path:
-            with contextlib.suppress(OSError):
-                os.unlink(self._path)
+        self._unlink()
 
 
 _ENDPOINTS = {"mq": _MqEndpoint, "pynng": _PynngEndpoint, "rpc": _RpcEndpoint, "stream": _StreamEndpoint}
@@ -586,6 +617,7 @@ def _worker(role: str, spec: dict[str, Any], conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the orchestrator's to handle
     _die_with_parent()
     os.environ.update(spec.get("env") or {})
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # TensorPipe's shutdown warnings
     warnings.filterwarnings("ignore")
     # Worker failures come back through the pipe; library log noise (e.g. from stop()) would
     # only garble the progress display. MQ_BENCH_LOG=DEBUG|INFO|... shows it.
@@ -948,19 +980,26 @@ class _Runner:
         self.progress({"event": "note", "text": f"{c.name}: {why}"})
 
     def _stop_pairs(self, cases: list[_Case]) -> None:
-        for c in cases:
-            for p in (c.a, c.b):
-                if p is not None and p.proc.is_alive():
-                    with contextlib.suppress(_WorkerFailed):
-                        p.send("stop")
-        for c in cases:
-            for p in (c.a, c.b):
-                if p is not None:
-                    with contextlib.suppress(_WorkerFailed):
-                        info = p.recv("stopped", 3.0) if p.proc.is_alive() else None
-                        if info and info.get("error"):
-                            self.notes.append(f"{c.name} side {p.role}: {info['error']}")
-                    p.kill()
+        procs = {p: c for c in cases for p in (c.a, c.b) if p is not None}
+        for p, why in self._stop_procs(list(procs)).items():
+            self.notes.append(f"{procs[p].name} side {p.role}: {why}")
+
+    def _stop_procs(self, procs: list[_Proc]) -> dict[_Proc, str]:
+        """Ask workers to stop (they clean up sockets), then kill whatever is left. Returns
+        the errors workers reported on the way out."""
+        errors = {}
+        for p in procs:
+            if p.proc.is_alive():
+                with contextlib.suppress(_WorkerFailed):
+                    p.send("stop")
+        for p in procs:
+            with contextlib.suppress(_WorkerFailed):
+                info = p.recv("stopped", 3.0) if p.proc.is_alive() else None
+                if info and info.get("error"):
+                    errors[p] = info["error"]
+            p.proc.join(2.0)
+            p.kill()
+        return errors
 
     def _kill_all(self) -> None:
         for p in self.procs:
@@ -1117,9 +1156,7 @@ class _Runner:
             except _WorkerFailed as exc:
                 row["error"] = str(exc)
             finally:
-                for p in (a, b):
-                    if p is not None:
-                        p.kill()
+                self._stop_procs([p for p in (a, b) if p is not None])
             self.links.append(row)
             self.progress({"event": "note", "text": f"{label} ceiling: "
                                                      f"{row['gbps'] if row['gbps'] else row['error']} Gbit/s"})
@@ -1259,6 +1296,7 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory": f"{int(mem.group(1)) / 2**20:.1f} GiB" if mem else None,
         "memory_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None,
         "kernel": platform.release(),
         "os": platform.platform(),
@@ -1271,6 +1309,7 @@ def machine_info() -> dict[str, Any]:
         "git_commit": None,
         "gpus": [],
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "loadavg": _read("/proc/loadavg").split()[:3] or None,  # other work on the machine
         "command": " ".join(["mq", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("mq") else None,
     }
     with contextlib.suppress(Exception):
@@ -1301,11 +1340,13 @@ def run(cfg: BenchConfig, progress: Progress | None = None) -> Report:
         raise ConfigError("--device cuda needs a CUDA GPU, and none is visible")
     runner = _Runner(cfg, progress)
     started = time.monotonic()
+    load_before = _read("/proc/loadavg").split()[:3] or None
     runner.run()
     rows = _rows(runner.cases, cfg.sizes)
     config = asdict(cfg)
     config["sizes"] = [format_size(s) for s in cfg.sizes]
     config["seconds_total"] = round(time.monotonic() - started, 1)
+    config["loadavg_before"] = load_before
     return Report(machine=machine_info(), rows=rows, links=runner.links, config=config,
                   targets=_targets(rows), notes=runner.notes)
 
@@ -1415,14 +1456,17 @@ def plot(report: Report, path: str) -> str:
         series.setdefault(label, []).append((r["size_bytes"], r["p50_ms"], r["ratio"]))
         kinds[label] = r["kind"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 6.5), gridspec_kw={"width_ratios": [3, 2]})
-    for label, pts in series.items():
+    colors = plt.get_cmap("tab20").colors
+    for i, (label, pts) in enumerate(series.items()):
         pts.sort()
-        style = "--" if kinds[label] == "raw" else "-"
-        marker = "x" if kinds[label] == "raw" else "o"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker, label=label, lw=1.5, ms=4)
+        raw = kinds[label] == "raw"
+        style = dict(color=colors[i % len(colors)], ls="--" if raw else "-",
+                     marker=("x" if raw else "o") if "two-hosts" not in label else ("+" if raw else "s"),
+                     lw=1.5, ms=4, label=label)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], **style)
         rp = [(p[0], p[2]) for p in pts if p[2] is not None]
         if rp:
-            ax2.plot([p[0] for p in rp], [p[1] for p in rp], "-", marker="o", label=label, lw=1.5, ms=4)
+            ax2.plot([p[0] for p in rp], [p[1] for p in rp], **style)
     for a in (ax, ax2):
         a.set_xscale("log", base=2)
         a.set_xlabel("message size (bytes)")
@@ -1432,7 +1476,7 @@ def plot(report: Report, path: str) -> str:
         a.set_xticklabels([format_size(s).replace(" ", "") for s in sizes], rotation=45)
     ax.set_yscale("log")
     ax.set_ylabel("round trip p50 (ms)")
-    ax.set_title("mq round trip vs raw baselines (dashed)")
+    ax.set_title("mq round trip vs raw baselines (dashed); squares: two hosts")
     ax.legend(fontsize=7)
     for y, c in ((1.0, "k"), (1.15, "g"), (1.25, "orange"), (1.5, "r")):
         ax2.axhline(y, color=c, lw=0.8, ls=":")

@@ -171,6 +171,11 @@ class Codec:
             if isinstance(exc, EncodeError):
                 raise
             raise EncodeError(f"cannot encode payload: {exc}") from exc
+        finally:
+            # The two closures refer to each other through their cells: a reference cycle that
+            # would keep the payload alive until the cyclic GC runs (gigabytes for big frames).
+            # Emptying the cells breaks it, so memory is freed as soon as the caller lets go.
+            del default, packb
 
     def _pack_ndarray(self, arr: np.ndarray, buffers: list[Any]) -> msgpack.ExtType:
         if arr.dtype.hasobject:
@@ -236,6 +241,8 @@ class Codec:
             raise
         except Exception as exc:  # any malformed tree is a protocol error, never a crash
             raise ProtocolError(f"malformed payload: {type(exc).__name__}: {exc}") from exc
+        finally:
+            del ext_hook, unpackb  # break the closure cycle holding the received frame (see pack)
 
     def _unpack_ndarray(self, data: bytes, buffers: Sequence[Any]) -> np.ndarray:
         dtype_str, shape, index = msgpack.unpackb(data)

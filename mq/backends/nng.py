@@ -288,14 +288,15 @@ class NngMQ(MQ):
                 continue
             frame = _msg_view(msgp[0])
             try:
-                env = self.codec.decode(frame)
-                self._deliver(env)
+                self._deliver(self.codec.decode(frame))
             except ProtocolError as exc:
                 self._stats.dropped_malformed += 1
                 log.warning("node %d: dropped a malformed frame (%d bytes): %s", self.node_id, len(frame), exc)
             except Exception:
                 self._stats.dropped_malformed += 1
                 log.exception("node %d: error handling a frame", self.node_id)
+            finally:
+                del frame  # do not hold the last message while blocked in the next receive
 
 
 def _send_msg(sock: pynng.Socket, encoded: Encoded, *, block: bool) -> None:

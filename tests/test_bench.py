@@ -1,0 +1,306 @@
+"""`mq bench` end to end at small sizes, its output formats, its option errors, and the
+two-hosts namespace helper (where this machine lets us create namespaces).
+
+No timing assertions: numbers come from the benchmark, tests only check its shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from click.testing import CliRunner
+
+from cli.bench import bench
+from mq import bench as lib
+from mq import netns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_NETNS = netns.unavailable()
+needs_netns = pytest.mark.skipif(NO_NETNS is not None, reason=f"cannot create namespaces: {NO_NETNS}")
+
+ROW_KEYS = {"mq_type", "route", "device", "size_bytes", "samples", "min_ms", "p50_ms", "p99_ms",
+            "max_ms", "gbps", "baseline", "baseline_p50_ms", "ratio", "skipped", "reason", "kind",
+            "hosts", "resolved_route"}
+MACHINE_KEYS = {"cpu", "cores", "memory", "memory_gib", "kernel", "python", "torch", "pynng", "hostname"}
+SMALL = ["--sizes", "1.25KB,20KB", "--max-seconds", "8", "--target-seconds", "0.2",
+         "--min-samples", "3", "--max-samples", "40", "--warmup", "2", "-q"]
+
+
+def _invoke(args: list[str]):
+    result = CliRunner().invoke(bench, args, catch_exceptions=False)
+    return result
+
+
+def _stdout(result) -> str:
+    return getattr(result, "stdout", result.output)
+
+
+def _check_rows(rows: list[dict]) -> None:
+    for r in rows:
+        assert ROW_KEYS <= set(r), f"row lacks {ROW_KEYS - set(r)}: {r}"
+        if r["samples"]:
+            assert r["min_ms"] <= r["p50_ms"] <= r["p99_ms"] <= r["max_ms"], r
+            assert r["gbps"] > 0
+        if r["ratio"] is not None:
+            assert r["ratio"] == pytest.approx(r["p50_ms"] / r["baseline_p50_ms"], rel=1e-3)
+        if r["skipped"]:
+            assert r["reason"], r
+        if r["kind"] == "raw":
+            assert r["baseline"] is None and r["ratio"] is None
+
+
+def _our_namespaces(pid: int) -> list[str]:
+    return [n for n in netns.list_namespaces() if n.startswith(f"{netns.NS_PREFIX}{pid}-")]
+
+
+# --------------------------------------------------------------------------- sizes
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("text,value", [("1.25KB", 1280), ("20KB", 20480), ("1.25MB", 1310720),
+                                        ("10 MB", 10 << 20), ("640MB", 640 << 20), ("1.25GB", 1280 << 20),
+                                        ("2.5GB", 2560 << 20), ("4096", 4096), ("1KiB", 1024), ("3b", 3)])
+def test_parse_size(text, value):
+    assert lib.parse_size(text) == value
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("text", ["12XB", "", "KB", "-1KB", "0", "2.6GB", "1.2.3MB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(lib.ConfigError):
+        lib.parse_size(text)
+
+
+@pytest.mark.timeout(10)
+def test_format_size_round_trips_the_default_sizes():
+    labels = [lib.format_size(s) for s in lib.DEFAULT_SIZES]
+    assert labels == ["1.25 KB", "20 KB", "1.25 MB", "10 MB", "40 MB", "640 MB", "1.25 GB"]
+    assert [lib.parse_size(x) for x in labels] == list(lib.DEFAULT_SIZES)
+
+
+# --------------------------------------------------------------------------- option errors
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args,word", [
+    (["--sizes", "12XB"], "12XB"),
+    (["--mq-type", "zeromq"], "zeromq"),
+    (["--route", "carrier-pigeon"], "carrier-pigeon"),
+    (["--format", "yaml"], "yaml"),
+    (["--max-seconds", "-1"], "--max-seconds"),
+    (["--sizes", "3GB"], "2.5GB"),
+])
+def test_bad_options_exit_nonzero_with_one_line(args, word):
+    result = _invoke(args)
+    assert result.exit_code != 0
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("Error:") and word in lines[0]
+
+
+# --------------------------------------------------------------------------- end to end
+@pytest.mark.timeout(240)
+def test_bench_nng_tcp_ipc_json_end_to_end(tmp_path):
+    plot = tmp_path / "bench.png"
+    result = _invoke(["--mq-type", "nng", "--route", "tcp", "--route", "ipc", *SMALL,
+                      "--format", "json", "--out", str(tmp_path / "out"), "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(_stdout(result))
+    assert MACHINE_KEYS <= set(report["machine"])
+    rows = report["rows"]
+    _check_rows(rows)
+    by = {(r["mq_type"], r["route"], r["size_bytes"]): r for r in rows}
+    for route in ("tcp", "ipc"):
+        for size in (1280, 20480):
+            r = by[("nng", route, size)]
+            assert r["resolved_route"] == route
+            assert r["baseline"] == f"raw:pynng/{route}"
+            assert r["samples"] >= 1, r
+            assert r["ratio"] is not None
+            raw = by[("raw:pynng", route, size)]
+            assert raw["samples"] >= 1 and raw["p50_ms"] == r["baseline_p50_ms"]
+    assert {link["link"] for link in report["links"]} == {"loopback tcp", "unix socket"}
+    assert all(link["gbps"] and link["gbps"] > 0 for link in report["links"]), report["links"]
+    assert [t["target"] for t in report["targets"]] == [t[0] for t in lib.TARGETS]
+    files = sorted(os.listdir(tmp_path / "out"))
+    assert files == ["bench.csv", "bench.json", "bench.md"]
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["rows"] == rows
+    header = (tmp_path / "out" / "bench.csv").read_text().splitlines()[0].split(",")
+    assert header == list(lib.ROW_FIELDS)
+    assert "| nng/tcp |" in (tmp_path / "out" / "bench.md").read_text()
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(120)
+def test_a_size_past_max_seconds_is_skipped_with_its_samples_so_far():
+    result = _invoke(["--mq-type", "nng", "--route", "tcp", "--sizes", "1.25KB,20KB",
+                      "--max-seconds", "0.0001", "--no-baseline", "--no-links", "-q", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(_stdout(result))["rows"]
+    _check_rows(rows)
+    assert [r["size_bytes"] for r in rows] == [1280, 20480]
+    assert all(r["skipped"] for r in rows)
+    assert "--max-seconds" in rows[0]["reason"] and rows[0]["samples"] == 0
+    assert "already reached --max-seconds" in rows[1]["reason"]
+
+
+@pytest.mark.timeout(120)
+def test_unavailable_mq_type_rows_are_skipped_with_a_reason(monkeypatch):
+    monkeypatch.setattr(lib, "mq_type_unavailable", lambda t: "not on this machine (test)")
+    result = _invoke(["--mq-type", "torchrpc:cpu", "--sizes", "1.25KB", "--no-baseline",
+                      "--no-links", "-q", "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    lines = _stdout(result).splitlines()
+    assert lines[0].split(",") == list(lib.ROW_FIELDS)
+    assert len(lines) == 2 and "not on this machine (test)" in lines[1] and ",True," in lines[1]
+
+
+@pytest.mark.timeout(10)
+def test_markdown_and_table_render_a_synthetic_report(capsys):
+    rows = [
+        {"kind": "mq", "mq_type": "nng", "route": "auto", "resolved_route": "ipc", "hosts": "same",
+         "device": "cpu", "size": "1.25 KB", "size_bytes": 1280, "samples": 10, "warmup": 2,
+         "min_ms": 0.1, "p50_ms": 0.2, "p99_ms": 0.3, "max_ms": 0.4, "mean_ms": 0.2, "gbps": 0.1,
+         "baseline": "raw:pynng/ipc", "baseline_p50_ms": 0.1, "ratio": 2.0, "skipped": False,
+         "reason": None, "seconds": 1.0, "link_bytes": None},
+        {"kind": "raw", "mq_type": "raw:pynng", "route": "ipc", "resolved_route": "ipc", "hosts": "same",
+         "device": "cpu", "size": "1.25 KB", "size_bytes": 1280, "samples": 10, "warmup": 2,
+         "min_ms": 0.05, "p50_ms": 0.1, "p99_ms": 0.2, "max_ms": 0.3, "mean_ms": 0.1, "gbps": 0.2,
+         "baseline": None, "baseline_p50_ms": None, "ratio": None, "skipped": False,
+         "reason": None, "seconds": 1.0, "link_bytes": None},
+    ]
+    report = lib.Report(machine={"cpu": "x", "cores": 2}, rows=rows, links=[], config={},
+                        targets=lib._targets(rows))
+    md = lib.to_markdown(report)
+    assert "| nng/auto->ipc | 0.2 (2.00x) |" in md
+    assert report.targets[0]["met"] is False and report.targets[0]["misses"]
+    from cli.bench import _print_tables
+
+    _print_tables(report)
+    out = capsys.readouterr().out
+    assert "nng/auto->ipc" in out and "2.00x" in out
+
+
+# --------------------------------------------------------------------------- two hosts
+@pytest.mark.netns
+@pytest.mark.timeout(60)
+@needs_netns
+def test_two_hosts_helper_isolates_and_cleans_up():
+    with netns.TwoHosts() as hosts:
+        assert hosts.exists and hosts.host_if in netns.list_links()
+        inside = subprocess.run(hosts.command(["sh", "-c", "readlink /proc/self/ns/net /proc/self/ns/ipc "
+                                                            "/proc/self/ns/pid; echo $$; ip -o -4 addr"]),
+                                capture_output=True, text=True, timeout=20)
+        assert inside.returncode == 0, inside.stderr
+        net, ipc, pid, mypid = inside.stdout.splitlines()[:4]
+        assert net != os.readlink("/proc/self/ns/net")
+        assert ipc != os.readlink("/proc/self/ns/ipc")
+        assert pid != os.readlink("/proc/self/ns/pid")
+        assert mypid == "1"  # first process of its own PID namespace
+        assert hosts.peer_addr in inside.stdout
+        name, link = hosts.name, hosts.host_if
+    assert name not in netns.list_namespaces() and link not in netns.list_links()
+    with pytest.raises(RuntimeError):
+        with netns.TwoHosts() as hosts:
+            name = hosts.name
+            raise RuntimeError("boom")
+    assert name not in netns.list_namespaces()
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(60)
+@needs_netns
+def test_stale_namespaces_of_dead_runs_are_cleaned_by_prefix():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    name = f"{netns.NS_PREFIX}{dead}-0"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=20)
+    try:
+        assert name in netns.list_namespaces()
+        assert name in netns.cleanup_stale()
+        assert name not in netns.list_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@needs_netns
+def test_bench_two_hosts_end_to_end_and_namespaces_gone():
+    result = _invoke(["--two-hosts", "--mq-type", "nng", "--route", "auto", "--route", "tcp", *SMALL,
+                      "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(_stdout(result))
+    rows = report["rows"]
+    _check_rows(rows)
+    assert {r["hosts"] for r in rows} == {"two"}
+    for r in rows:
+        assert r["samples"] >= 1, r
+        assert r["resolved_route"] == "tcp"  # another host: no unix socket, no shared memory
+        # the payload crossed the veth (each round trip carries it twice)
+        assert r["link_bytes"] >= 2 * r["size_bytes"] * r["samples"]
+    mq_rows = [r for r in rows if r["kind"] == "mq"]
+    assert {r["baseline"] for r in mq_rows} == {"raw:pynng/tcp"}
+    assert [link["link"] for link in report["links"]] == ["veth tcp"]
+    assert report["links"][0]["gbps"] > 0
+    assert _our_namespaces(os.getpid()) == []
+    assert not [link for link in netns.list_links() if link.startswith(f"{netns.LINK_PREFIX}{os.getpid()}h")]
+
+
+def _processes_with(marker: str) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(180)
+@needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_two_hosts_run_leaves_no_namespace_or_worker(sig):
+    marker = f"MQ_BENCH_TEST_MARKER={uuid.uuid4().hex}"
+    env = dict(os.environ, PYTHONPATH=ROOT, MQ_BENCH_TEST_MARKER=marker.partition("=")[2])
+    proc = subprocess.Popen([sys.executable, "-c", "from cli.bench import bench; bench()", "--two-hosts",
+                             "--mq-type", "nng", "--route", "tcp", "--sizes", "1.25KB", "--max-seconds", "60",
+                             "--target-seconds", "60", "--max-samples", "100000000", "-q", "--no-links"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        # wait until the namespace exists and workers run (B inside it)
+        while time.monotonic() < deadline and not (_our_namespaces(proc.pid) and len(_processes_with(marker)) >= 4):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.2)
+        assert _our_namespaces(proc.pid), "the run never created its namespace"
+        time.sleep(2.0)  # let it measure
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        assert proc.returncode != 0
+        assert _our_namespaces(proc.pid) == []
+        deadline = time.monotonic() + 10
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_with(marker) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for name in _our_namespaces(proc.pid):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+@pytest.mark.timeout(30)
+def test_two_hosts_without_namespaces_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(netns, "unavailable", lambda: "network namespaces need root (test)")
+    result = _invoke(["--two-hosts", "--sizes", "1.25KB"])
+    assert result.exit_code != 0
+    assert "--two-hosts: network namespaces need root (test)" in result.output
