@@ -292,10 +292,22 @@ class MQ:
         timeout = self._timeout(timeout)
         if self._state not in ("listening",) and self._inbox.empty():
             raise ClosedError("recv() on a queue that is not listening: use `with q:` or q.listen()")
-        try:
-            return self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            raise Timeout(f"no message within {timeout:g}s") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Timeout(f"no message within {timeout:g}s")
+            # Read the transport in this thread when the backend can: no hand-off from an I/O
+            # thread, which is a large part of a small message's latency.
+            if not self._read_in_caller(left):
+                try:
+                    return self._inbox.get(timeout=left)
+                except queue.Empty:
+                    raise Timeout(f"no message within {timeout:g}s") from None
 
     # ------------------------------------------------------------------ peers
     def peers(self, label: str | None = None) -> list[int]:
@@ -343,6 +355,11 @@ class MQ:
     def _transmit(self, peer: int, encoded: Any, timeout: float) -> None:  # pragma: no cover
         """Move one encoded frame to ``peer`` or raise Timeout/PeerLost within ``timeout``."""
         raise NotImplementedError
+
+    def _read_in_caller(self, timeout: float) -> bool:
+        """Receive and deliver at most one frame in the calling thread, waiting up to
+        ``timeout``. Backends that cannot return False (recv() then waits on the queue)."""
+        return False
 
     def _encode(self, kind: int, topic: str, payload: Any, corr: int = 0) -> Any:
         """Backends may override to encode for their wire (the default: one contiguous frame)."""
@@ -560,6 +577,11 @@ class BoundedQueue:
     def get(self, timeout: float) -> Any:
         """Next item; raises queue.Empty after ``timeout`` seconds."""
         item = self._items.get(timeout=timeout)
+        self._slots.release()
+        return item
+
+    def get_nowait(self) -> Any:
+        item = self._items.get_nowait()
         self._slots.release()
         return item
 

@@ -222,3 +222,28 @@ def test_use_after_stop_is_a_clear_error():
         q.listen()
     with pytest.raises(mq.ClosedError):
         q.recv(timeout=0.1)
+
+
+def test_calls_and_handlers_are_served_while_another_thread_waits_in_recv(node):
+    # recv() reads the socket in the caller's thread; frames that are not for it (call
+    # replies, handler topics) must still reach their owners promptly.
+    peer = mq.create("nng", 1, attach_to=[node.addresses["tcp"]], timeout=5)
+    with peer:
+        peer.on("echo", lambda x: x)
+        handled = threading.Event()
+        node.subscribe("h", lambda msg: handled.set())
+        node.subscribe("data")
+        node.wait_for_peers(ids=[1], timeout=5)
+        peer.wait_for_subscribers("data", 1, timeout=5)
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(node.recv(timeout=10)))
+        waiter.start()
+        time.sleep(0.2)  # the waiter now holds the socket
+        t0 = time.monotonic()
+        assert node.call(1, "echo", "hi", timeout=5) == "hi"
+        peer.publish("h", 1)
+        assert handled.wait(5)
+        assert time.monotonic() - t0 < 2
+        peer.send(0, "data", 42)
+        waiter.join(5)
+        assert [m.payload for m in got] == [42]

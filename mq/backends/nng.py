@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import tempfile
 import threading
 import time
@@ -40,6 +41,8 @@ from mq.routing import select_route
 log = logging.getLogger("mq.nng")
 
 SUPPORTED_ROUTES = ("inproc", "ipc", "tcp")
+# After a recv() caller leaves, the I/O thread waits this long before reading for itself.
+_CALLER_GRACE_S = 0.002
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
@@ -103,6 +106,12 @@ class NngMQ(MQ):
         self._out_timeout: dict[int, int] = {}
         self._bootstrap: dict[str, pynng.Push0] = {}
         self._reader: threading.Thread | None = None
+        self._read_token = threading.Lock()
+        self._readers_changed = threading.Condition()
+        self._callers_reading = 0
+        self._last_caller_exit = 0.0
+        self._recv_timeout_ms = -1
+        self._wake_r = self._wake_w = -1  # a pipe that wakes the I/O thread on stop()
         self._ipc_path: str | None = None
         self._net_lock = threading.Lock()
 
@@ -110,6 +119,7 @@ class NngMQ(MQ):
     def _start(self) -> None:
         sock = pynng.Pull0(recv_buffer_size=self.send_buffer, recv_max_size=self.max_frame_bytes)
         self._inbox_sock = sock
+        self._wake_r, self._wake_w = os.pipe()
         try:
             listener = sock.listen(self.listen_to)
         except pynng.AddressInUse:
@@ -149,8 +159,16 @@ class NngMQ(MQ):
             s.close()
         if self._inbox_sock is not None:
             self._inbox_sock.close()
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"x")  # wake the I/O thread from poll()
+        with self._readers_changed:
+            self._readers_changed.notify_all()
         if self._reader is not None:
             self._reader.join(max(0.0, deadline - time.monotonic()))
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
         if self._ipc_path:
             try:
                 os.unlink(self._ipc_path)
@@ -273,30 +291,85 @@ class NngMQ(MQ):
             except pynng.Closed:
                 raise ClosedError("the link was closed while sending (the queue is stopping)") from None
 
+    # Receiving. One thread at a time holds the reader token and takes frames off the inbox
+    # socket, delivering each before it lets go, so frames keep their order. A thread in recv()
+    # reads for itself (no hand-off from another thread); the I/O thread reads only while nobody
+    # is in recv(), so handlers, call replies and handshakes are still served.
     def _read_loop(self) -> None:
         sock = self._inbox_sock
         assert sock is not None
+        poller = select.poll()
+        poller.register(sock.recv_fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         msgp = ffi.new("nng_msg **")
-        while True:
-            rv = lib.nng_recvmsg(sock.socket, msgp, 0)
-            if rv == lib.NNG_ECLOSED:
-                return
-            if rv != 0:
-                if self._state != "listening":
-                    return
-                log.warning("node %d: nng receive error: %s", self.node_id, ffi.string(lib.nng_strerror(rv)))
+        while self._state in ("new", "listening", "stopping"):
+            with self._readers_changed:
+                # While a recv() caller reads, or just did (it is likely in a loop and back within
+                # a few ms), stay out of its way: waking up per frame would cost it the GIL.
+                while self._state != "stopped":
+                    quiet = time.monotonic() - self._last_caller_exit
+                    if not self._callers_reading and quiet >= _CALLER_GRACE_S:
+                        break
+                    self._readers_changed.wait(0.5 if self._callers_reading else _CALLER_GRACE_S - quiet)
+            poller.poll(500)  # releases the GIL; wakes when a frame waits or stop() pokes us
+            if self._callers_reading:
                 continue
-            frame = _msg_view(msgp[0])
+            with self._read_token:
+                for _ in range(64):  # a batch, then look again who should be reading
+                    rv = lib.nng_recvmsg(sock.socket, msgp, lib.NNG_FLAG_NONBLOCK)
+                    if rv == lib.NNG_ECLOSED:
+                        return
+                    if rv != 0:
+                        break
+                    self._handle_frame(msgp[0])
+                    if self._callers_reading:
+                        break
+
+    def _read_in_caller(self, timeout: float) -> bool:
+        sock = self._inbox_sock
+        if sock is None or self._state != "listening":
+            return False
+        with self._readers_changed:
+            self._callers_reading += 1
+        try:
+            if not self._read_token.acquire(timeout=timeout):
+                return True
             try:
-                self._deliver(self.codec.decode(frame))
-            except ProtocolError as exc:
-                self._stats.dropped_malformed += 1
-                log.warning("node %d: dropped a malformed frame (%d bytes): %s", self.node_id, len(frame), exc)
-            except Exception:
-                self._stats.dropped_malformed += 1
-                log.exception("node %d: error handling a frame", self.node_id)
+                if not self._inbox.empty():  # the I/O thread delivered while we waited
+                    return True
+                ms = max(1, int(timeout * 1000))
+                if ms != self._recv_timeout_ms:
+                    check_err(lib.nng_socket_set_ms(sock.socket, b"recv-timeout", ms))
+                    self._recv_timeout_ms = ms
+                msgp = ffi.new("nng_msg **")
+                rv = lib.nng_recvmsg(sock.socket, msgp, 0)
+                if rv == 0:
+                    self._handle_frame(msgp[0])
+                elif rv == lib.NNG_ECLOSED:
+                    raise ClosedError("the queue was stopped during recv()")
+                elif rv != lib.NNG_ETIMEDOUT:
+                    check_err(rv)
+                return True
             finally:
-                del frame  # do not hold the last message while blocked in the next receive
+                self._read_token.release()
+        finally:
+            with self._readers_changed:
+                self._callers_reading -= 1
+                self._last_caller_exit = time.monotonic()
+                self._readers_changed.notify_all()
+
+    def _handle_frame(self, msg: Any) -> None:
+        frame = _msg_view(msg)
+        try:
+            self._deliver(self.codec.decode(frame))
+        except ProtocolError as exc:
+            self._stats.dropped_malformed += 1
+            log.warning("node %d: dropped a malformed frame (%d bytes): %s", self.node_id, len(frame), exc)
+        except Exception:
+            self._stats.dropped_malformed += 1
+            log.exception("node %d: error handling a frame", self.node_id)
+        finally:
+            del frame  # do not hold the last message while waiting for the next
 
 
 def _send_msg(sock: pynng.Socket, encoded: Encoded, *, block: bool) -> None:
