@@ -354,15 +354,10 @@ def attach_lists(listen_to: Mapping[int, str], topology: str) -> dict[int, list[
         ConfigError: unknown topology.
     """
     _check_topology(topology)
+    from mq.rendezvous import attach_targets  # the one place the topology rule lives
+
     ids = sorted(listen_to)
-    if topology == "mesh":
-        # Dialling only lower ids means the higher id of each pair always dials, so a pair is
-        # never connected twice and nobody waits for a peer that will never call.
-        return {n: [listen_to[p] for p in ids if p < n] for n in ids}
-    if topology == "star":
-        hub = ids[0] if ids else 0
-        return {n: ([] if n == hub else [listen_to[hub]]) for n in ids}
-    return {n: [] for n in ids}
+    return {n: [listen_to[p] for p in attach_targets(n, ids, topology)] for n in ids}
 
 
 def _check_topology(topology: str) -> None:

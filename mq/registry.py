@@ -39,5 +39,8 @@ def create(mq_type: str, node_id: int, labels: Any = None, **options: Any) -> An
     cls, fixed = backend_class(mq_type)
     try:
         return cls(node_id, labels, **fixed, **options)
-    except TypeError as exc:  # an option this backend does not take
-        raise ConfigError(f"mq type {mq_type!r}: {exc}") from None
+    except TypeError as exc:
+        if "unexpected keyword argument" not in str(exc):
+            raise
+        # an option this backend does not take: say which, and where the options are listed
+        raise ConfigError(f"mq type {mq_type!r}: {exc}; see help({cls.__module__}.{cls.__name__})") from None
