@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import mq
+from mq.testing import _same
 
 ORDERED = 500
 
@@ -51,19 +52,6 @@ def payload() -> dict[str, Any]:
     }
 
 
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a, b.to(a.device)))
-    return type(a) is type(b) and a == b
-
-
 def _recv_until(q: mq.MQ, want: int, timeout: float = 20.0) -> list[mq.Message]:
     out = []
     deadline = time.monotonic() + timeout
@@ -92,7 +80,7 @@ def exchange(node_id: int, world_size: int, init_method: str) -> Any:
             res["model_to"] = q.publish("model", {"weights": torch.ones(4)})
             msgs = _recv_until(q, ORDERED + 1 + 2 + 2)  # seq, payload, stats x2, done x2
             res["seq"] = [m.payload for m in msgs if m.topic == "seq"]
-            res["payload_ok"] = same(payload(), [m.payload for m in msgs if m.topic == "payload"][0])
+            res["payload_ok"] = _same(payload(), [m.payload for m in msgs if m.topic == "payload"][0])
             res["stats"] = sorted((m.sender, m.payload) for m in msgs if m.topic == "stats")
             res["done"] = sorted(m.sender for m in msgs if m.topic == "done")
             try:
