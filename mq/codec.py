@@ -297,11 +297,7 @@ class Codec:
             version, kind, topic, sender, seq, corr, tree, sizes = head
         except Exception as exc:
             raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
-        if version != VERSION:
-            raise ProtocolError(f"frame version {version!r}, this node speaks {VERSION}")
-        if not (isinstance(kind, int) and 0 <= kind < len(KIND_NAMES) and isinstance(topic, str)
-                and isinstance(sender, int) and isinstance(tree, bytes)):
-            raise ProtocolError("envelope fields have the wrong types")
+        check_envelope(version, kind, topic, sender, corr, tree)
         buffers = []
         pos = _align(4 + hlen)
         if not isinstance(sizes, list):
@@ -312,6 +308,16 @@ class Codec:
             buffers.append(view[pos:pos + n])
             pos = _align(pos + n)
         return Envelope(kind, topic, sender, seq, corr, self.unpack(tree, buffers))
+
+
+def check_envelope(version: Any, kind: Any, topic: Any, sender: Any, corr: Any, tree: Any,
+                   *, expected_version: int = VERSION) -> None:
+    """Validate decoded envelope fields (every backend's wire shares this check)."""
+    if version != expected_version:
+        raise ProtocolError(f"frame version {version!r}, this node speaks {expected_version}")
+    if not (isinstance(kind, int) and 0 <= kind < len(KIND_NAMES) and isinstance(topic, str)
+            and isinstance(sender, int) and isinstance(corr, int) and isinstance(tree, bytes)):
+        raise ProtocolError("envelope fields have the wrong types")
 
 
 @dataclass

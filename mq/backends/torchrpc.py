@@ -107,7 +107,7 @@ import numpy as np
 import torch
 
 from mq import device_map
-from mq.codec import HELLO, KIND_NAMES, BYE, Codec, Envelope
+from mq.codec import HELLO, BYE, Codec, Envelope, check_envelope
 from mq.core import MQ, Peer
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.locality import Locality, local
@@ -864,11 +864,7 @@ class TorchRpcMQ(MQ):
                                                                use_list=True, strict_map_key=False)
         except Exception as exc:
             raise ProtocolError(f"malformed header: {type(exc).__name__}: {exc}") from exc
-        if version != WIRE_VERSION:
-            raise ProtocolError(f"frame version {version!r}, this node speaks {WIRE_VERSION}")
-        if not (isinstance(kind, int) and 0 <= kind < len(KIND_NAMES) and isinstance(topic, str)
-                and isinstance(corr, int) and isinstance(tree, bytes)):
-            raise ProtocolError("header fields have the wrong types")
+        check_envelope(version, kind, topic, sender, corr, tree, expected_version=WIRE_VERSION)
         # Flat uint8 host tensors carry arrays and bytes: the codec wants buffer-protocol views.
         views = [t.numpy() if t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 1 else t
                  for t in buffers]
