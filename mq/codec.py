@@ -1,15 +1,22 @@
 """Payload codec: a user object <-> a msgpack header plus out-of-band buffers.
 
-Wire format of one frame (what the NNG backend sends as one NNG message)::
+One frame format for every transport: a :class:`Frame` is a header plus out-of-band buffers.
+
+``header`` is the msgpack envelope ``[VERSION, kind, topic, sender, seq, corr, tree, sizes,
+descs]``: ``tree`` is the payload with every array, tensor, tuple and large bytes value replaced
+by a msgpack ExtType that names its buffer; ``sizes[i]`` is buffer ``i``'s length; ``descs`` is
+None or ``{i: descriptor}`` for buffers that travel by the shm data path (:mod:`mq.shm`; their
+inline size is 0). Array and tensor data never enter the msgpack body.
+
+Each transport lays a frame out its own way. The contiguous layout (NNG, in-process)::
 
     u32 little-endian  header length H
-    H bytes            msgpack envelope [VERSION, kind, topic, sender, seq, corr, tree, sizes]
+    H bytes            header
     padding            to a 64-byte boundary
     buffers            ``sizes[i]`` bytes each, each starting on a 64-byte boundary
 
-``tree`` is the payload with every array, tensor, tuple and large bytes value replaced by a
-msgpack ExtType. Array and tensor data never enter the msgpack body: they are written straight
-into the frame, and on receive they are views of the received message (no copy).
+torch RPC sends the header as a uint8 tensor and the buffers as RPC tensors. On receive, arrays
+and tensors are views of the received message or of the sender's shared memory (no copy).
 
 Safety: nothing is unpickled unless the codec was built with ``allow_pickle=True`` on the
 receiving side; object dtypes are refused; every span and shape is checked against the frame
@@ -22,20 +29,20 @@ import pickle
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
 
 from mq.errors import EncodeError, ProtocolError
 
-VERSION = 1
+VERSION = 2
 ALIGN = 64
 _U32 = struct.Struct("<I")
 
 # Frame kinds. Data flows one way through them: the backend only looks at ``kind``.
-MSG, REQ, REP_OK, REP_ERR, HELLO, HELLO_ACK, SUBS, BYE = range(8)
-KIND_NAMES = ("MSG", "REQ", "REP_OK", "REP_ERR", "HELLO", "HELLO_ACK", "SUBS", "BYE")
+MSG, REQ, REP_OK, REP_ERR, HELLO, HELLO_ACK, SUBS, BYE, RELEASE, LINK = range(10)
+KIND_NAMES = ("MSG", "REQ", "REP_OK", "REP_ERR", "HELLO", "HELLO_ACK", "SUBS", "BYE", "RELEASE", "LINK")
 
 # msgpack extension codes of the payload tree.
 _EXT_TUPLE, _EXT_NDARRAY, _EXT_TENSOR, _EXT_PICKLE, _EXT_BYTES = 1, 2, 3, 4, 5
@@ -205,19 +212,20 @@ class Codec:
         return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(meta))
 
     def encode(self, kind: int, topic: str, sender: int, seq: int, corr: int,
-               payload: Any) -> "Encoded":
+               payload: Any) -> "Frame":
         tree, buffers = self.pack(payload)
-        return Encoded.build(kind, topic, sender, seq, corr, tree, buffers)
+        return Frame.build(kind, topic, sender, seq, corr, tree, buffers)
 
     # ------------------------------------------------------------------ decode
-    def unpack(self, tree: bytes, buffers: Sequence[Any]) -> Any:
-        """(msgpack tree, buffers) -> payload. Buffers are memoryviews (or tensors)."""
+    def unpack(self, tree: bytes, buffers: Sequence[Any], shared: Any = ()) -> Any:
+        """(msgpack tree, buffers) -> payload. Buffers are memoryviews (or tensors); numpy
+        arrays over the buffer indices in ``shared`` (another process's memory) are read-only."""
 
         def ext_hook(code: int, data: bytes) -> Any:
             if code == _EXT_TUPLE:
                 return tuple(unpackb(data))
             if code == _EXT_NDARRAY:
-                return self._unpack_ndarray(data, buffers)
+                return self._unpack_ndarray(data, buffers, shared)
             if code == _EXT_TENSOR:
                 return self._unpack_tensor(data, buffers)
             if code == _EXT_BYTES:
@@ -244,7 +252,7 @@ class Codec:
         finally:
             del ext_hook, unpackb  # break the closure cycle holding the received frame (see pack)
 
-    def _unpack_ndarray(self, data: bytes, buffers: Sequence[Any]) -> np.ndarray:
+    def _unpack_ndarray(self, data: bytes, buffers: Sequence[Any], shared: Any) -> np.ndarray:
         dtype_str, shape, index = msgpack.unpackb(data)
         dtype = np.dtype(dtype_str)
         if dtype.hasobject:
@@ -253,7 +261,10 @@ class Codec:
         _check_size(shape, dtype.itemsize, len(buf))
         if len(buf) == 0:
             return np.empty(shape, dtype=dtype)
-        return np.frombuffer(buf, dtype=dtype).reshape(shape)
+        arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
+        if index in shared:
+            arr.flags.writeable = False  # a view of the sender's slot, maybe shared: copy to write
+        return arr
 
     def _unpack_tensor(self, data: bytes, buffers: Sequence[Any]) -> Any:
         dtype_name, shape, index, device = msgpack.unpackb(data)
@@ -281,33 +292,68 @@ class Codec:
                 t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
         return _place(t, device)
 
-    def decode(self, frame: Any) -> Envelope:
-        """Bytes-like frame -> :class:`Envelope`; :class:`ProtocolError` if malformed."""
-        view = memoryview(frame).cast("B")
-        if len(view) > self.max_frame_bytes:
-            raise ProtocolError(f"frame of {len(view)} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
-        if len(view) < 4:
-            raise ProtocolError(f"truncated frame of {len(view)} bytes")
-        (hlen,) = _U32.unpack_from(view, 0)
-        if 4 + hlen > len(view):
-            raise ProtocolError(f"header of {hlen} bytes overruns a {len(view)}-byte frame")
+    def decode(self, header: Any, buffers: list[Any],
+               resolve: Callable[[int, Any], Any] | None = None) -> Envelope:
+        """One frame -> :class:`Envelope`; :class:`ProtocolError` if malformed.
+
+        Args:
+            header: the msgpack envelope (bytes-like).
+            buffers: the inline buffers (memoryviews or tensors), one per ``sizes`` entry.
+            resolve: turns a shm descriptor into a view (:meth:`mq.shm.PoolReader.view`); a
+                frame with descriptors and no resolver is malformed.
+        """
         try:
-            head = msgpack.unpackb(view[4:4 + hlen], raw=False, use_list=True,
-                                   strict_map_key=False)
-            version, kind, topic, sender, seq, corr, tree, sizes = head
+            head = msgpack.unpackb(header, raw=False, use_list=True, strict_map_key=False)
+            version, kind, topic, sender, seq, corr, tree, sizes, descs = head
         except Exception as exc:
             raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
         check_envelope(version, kind, topic, sender, corr, tree)
-        buffers = []
-        pos = _align(4 + hlen)
-        if not isinstance(sizes, list):
-            raise ProtocolError("envelope buffer sizes are not a list")
-        for n in sizes:
-            if not (isinstance(n, int) and 0 <= n and pos + n <= len(view)):
-                raise ProtocolError(f"buffer of {n!r} bytes at offset {pos} overruns the {len(view)}-byte frame")
-            buffers.append(view[pos:pos + n])
-            pos = _align(pos + n)
-        return Envelope(kind, topic, sender, seq, corr, self.unpack(tree, buffers))
+        if not isinstance(sizes, list) or len(sizes) != len(buffers):
+            raise ProtocolError(f"envelope lists {sizes!r} buffer sizes, the frame has {len(buffers)}")
+        shared: set[int] = set()
+        if descs is not None:
+            if not isinstance(descs, dict) or resolve is None:
+                raise ProtocolError("frame carries shared-memory descriptors this link cannot resolve")
+            buffers = list(buffers)
+            for index, desc in descs.items():
+                if not (isinstance(index, int) and 0 <= index < len(buffers)) or sizes[index] != 0:
+                    raise ProtocolError(f"descriptor for buffer {index!r} does not match the frame")
+                buffers[index] = resolve(sender, desc)
+                shared.add(index)
+        return Envelope(kind, topic, sender, seq, corr, self.unpack(tree, buffers, shared))
+
+    def total_bytes(self, header: Any) -> int:
+        """Inline plus shared bytes a frame's header announces (0 if it cannot be read)."""
+        try:
+            sizes, descs = msgpack.unpackb(header, raw=False, strict_map_key=False)[7:9]
+            return sum(sizes) + sum(d[4] for d in (descs or {}).values())
+        except Exception:
+            return 0
+
+
+def split(frame: Any) -> tuple[memoryview, list[memoryview]]:
+    """The contiguous layout (see the module docstring) -> (header, buffers) views, checked
+    against the frame's length; :class:`ProtocolError` if they overrun it."""
+    view = memoryview(frame).cast("B")
+    if len(view) < 4:
+        raise ProtocolError(f"truncated frame of {len(view)} bytes")
+    (hlen,) = _U32.unpack_from(view, 0)
+    if 4 + hlen > len(view):
+        raise ProtocolError(f"header of {hlen} bytes overruns a {len(view)}-byte frame")
+    header = view[4:4 + hlen]
+    try:
+        sizes = msgpack.unpackb(header, raw=False, strict_map_key=False)[7]
+    except Exception as exc:
+        raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(sizes, list):
+        raise ProtocolError("envelope buffer sizes are not a list")
+    buffers, pos = [], _align(4 + hlen)
+    for n in sizes:
+        if not (isinstance(n, int) and 0 <= n and pos + n <= len(view)):
+            raise ProtocolError(f"buffer of {n!r} bytes at offset {pos} overruns the {len(view)}-byte frame")
+        buffers.append(view[pos:pos + n])
+        pos = _align(pos + n)
+    return header, buffers
 
 
 def check_envelope(version: Any, kind: Any, topic: Any, sender: Any, corr: Any, tree: Any,
@@ -320,39 +366,73 @@ def check_envelope(version: Any, kind: Any, topic: Any, sender: Any, corr: Any, 
         raise ProtocolError("envelope fields have the wrong types")
 
 
-@dataclass
-class Encoded:
-    """An encoded frame not yet copied anywhere: header bytes plus buffer spans."""
+class Frame:
+    """An encoded frame not yet copied anywhere: the header plus buffer objects.
 
-    header: bytes
-    buffers: list[Any]
-    offsets: list[int]
-    size: int
+    ``buffers`` are numpy uint8 arrays, bytes or tensors (``keep_tensors``); a buffer that goes
+    by the shm data path is an empty placeholder in :meth:`with_descriptors`'s copy.
+    ``layout`` caches what a transport derived from the frame (publish lays out once).
+    """
+
+    __slots__ = ("kind", "head", "header", "buffers", "sizes", "_offsets", "size", "layout")
+
+    def __init__(self, kind: int, head: list[Any], buffers: list[Any], sizes: list[int]):
+        self.kind = kind
+        self.head = head  # the envelope fields, for with_descriptors
+        self.header = msgpack.packb(head, use_bin_type=True)
+        self.buffers = buffers
+        self.sizes = sizes
+        self._offsets: list[int] | None = None
+        self.size = 0
+        self.layout: dict[str, Any] = {}
+        self._place()
 
     @classmethod
     def build(cls, kind: int, topic: str, sender: int, seq: int, corr: int, tree: bytes,
-              buffers: list[Any]) -> "Encoded":
-        sizes = [b.nbytes if isinstance(b, np.ndarray) else memoryview(b).nbytes for b in buffers]
-        header = msgpack.packb([VERSION, kind, topic, sender, seq, corr, tree, sizes], use_bin_type=True)
-        offsets, pos = [], _align(4 + len(header))
-        for n in sizes:
+              buffers: list[Any]) -> "Frame":
+        sizes = [_nbytes(b) for b in buffers]
+        return cls(kind, [VERSION, kind, topic, sender, seq, corr, tree, sizes, None], buffers, sizes)
+
+    def with_descriptors(self, descs: dict[int, Any]) -> "Frame":
+        """This frame with buffers ``descs`` names replaced by shm descriptors."""
+        sizes = [0 if i in descs else n for i, n in enumerate(self.sizes)]
+        buffers = [b"" if i in descs else b for i, b in enumerate(self.buffers)]
+        head = self.head[:7] + [sizes, descs]
+        return Frame(self.kind, head, buffers, sizes)
+
+    @property
+    def nbytes(self) -> int:
+        """Header plus inline buffer bytes (what crosses the transport)."""
+        return len(self.header) + sum(self.sizes)
+
+    def _place(self) -> None:
+        offsets, pos = [], _align(4 + len(self.header))
+        for n in self.sizes:
             offsets.append(pos)
             pos = _align(pos + n)
-        end = offsets[-1] + sizes[-1] if buffers else 4 + len(header)
-        return cls(header, buffers, offsets, end)
+        self._offsets = offsets
+        self.size = offsets[-1] + self.sizes[-1] if self.sizes else 4 + len(self.header)
 
     def write_into(self, out: memoryview) -> None:
-        """Copy the frame into ``out`` (exactly ``self.size`` writable bytes)."""
+        """The contiguous layout into ``out`` (exactly ``self.size`` writable bytes)."""
         _U32.pack_into(out, 0, len(self.header))
         out[4:4 + len(self.header)] = self.header
-        for off, buf in zip(self.offsets, self.buffers):
-            src = memoryview(buf).cast("B")
-            out[off:off + src.nbytes] = src
+        for off, buf, n in zip(self._offsets or (), self.buffers, self.sizes):
+            if n:
+                out[off:off + n] = memoryview(buf).cast("B")
 
     def to_bytes(self) -> bytearray:
         out = bytearray(self.size)
         self.write_into(memoryview(out))
         return out
+
+
+def _nbytes(b: Any) -> int:
+    if isinstance(b, np.ndarray):
+        return b.nbytes
+    if _is_tensor(b):
+        return b.numel() * b.element_size()
+    return memoryview(b).nbytes
 
 
 def _align(n: int) -> int:

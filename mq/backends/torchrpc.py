@@ -1,23 +1,23 @@
-"""torch RPC backend: ``torch.distributed.rpc`` on TensorPipe (mq types ``torchrpc:cpu`` and
+"""torch RPC transport: ``torch.distributed.rpc`` on TensorPipe (mq types ``torchrpc:cpu`` and
 ``torchrpc:cuda``).
 
 Every node is one RPC worker: rank = node id, worker name ``mq<node id>``, a static group of
 ``world_size`` workers found through ``init_method`` (``tcp://``, ``env://``, ``file://``).
-torch allows one RPC agent per process, so one listening :class:`TorchRpcMQ` per process.
+torch allows one RPC agent per process, so one listening torchrpc queue per process.
 
 Wire format
 -----------
 A frame is one RPC to the TorchScript function :func:`_deliver_script`, which calls the custom op
 ``mq::deliver(int sender, int seq, int ack, Tensor header, Tensor[] buffers) -> int``:
 
-* ``header``: a CPU uint8 tensor holding msgpack ``[VERSION, kind, topic, corr, tree]``; ``tree``
-  is the codec's payload tree (see :mod:`mq.codec`).
-* ``buffers``: the codec's out-of-band buffers as RPC tensors (``Codec(keep_tensors=True)``):
+* ``header``: a CPU uint8 tensor holding the codec's frame header (:mod:`mq.codec`, the same
+  envelope every transport carries; shm descriptors ride in it for same-host peers).
+* ``buffers``: the frame's inline buffers as RPC tensors (``Codec(keep_tensors=True)``):
   numpy arrays and large bytes as flat uint8 tensors, torch tensors as themselves. With
   ``torchrpc:cuda`` a CUDA tensor goes device to device through the TensorPipe device map for
   that peer; without a map entry for its device (and always with ``torchrpc:cpu``) it is
   copied to host first, and the receiver puts it back on the same device index if it has one.
-* ``seq``: the frame's number in the sender->receiver stream (0, 1, 2, ...; frame 0 is HELLO);
+* ``seq``: the frame's number in the sender->receiver stream (0, 1, 2, ...);
   negative numbers are unordered control frames: -1 credit, -2 "I am blocked, credit me when
   you consume", -3 heartbeat.
 * ``ack``: how many frames of the *receiver's* stream to the sender the sender has consumed
@@ -107,16 +107,15 @@ import numpy as np
 import torch
 
 from mq import device_map
-from mq.codec import HELLO, BYE, Codec, Envelope, check_envelope
-from mq.core import MQ, Peer
+from mq.codec import Frame
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.locality import Locality, local
 from mq.rendezvous import parse_init_method
-from mq.routing import BACKEND_ROUTES, select_route, tensorpipe_options
+from mq.routing import BACKEND_ROUTES, Route, tensorpipe_options
+from mq.transport import Events, Receipt, Transport
 
 log = logging.getLogger("mq.torchrpc")
 
-WIRE_VERSION = 1
 _CREDIT, _WANT, _PING = -1, -2, -3  # unordered control frames (negative seq)
 _WANT_RETRY_S = 0.5  # a blocked sender asks again this often if no credit came
 _EMPTY = torch.empty(0, dtype=torch.uint8)
@@ -156,7 +155,7 @@ with warnings.catch_warnings():  # torch.jit.script is deprecated in 2.x but sti
 
 # ---------------------------------------------------------------------- per-process agent
 _AGENT_LOCK = threading.Lock()
-_ACTIVE: "TorchRpcMQ | None" = None  # the queue owning this process's RPC agent
+_ACTIVE: "TorchRpcTransport | None" = None  # the queue owning this process's RPC agent
 
 
 def _rpc_agent_running() -> bool:
@@ -176,9 +175,8 @@ def _short(exc: BaseException) -> str:
 # ---------------------------------------------------------------------- frames
 @dataclass
 class _Outgoing:
-    """One encoded frame, shared by every peer it goes to (publish encodes once)."""
+    """One frame as RPC tensors, shared by every peer it goes to (publish converts once)."""
 
-    kind: int
     header: torch.Tensor
     buffers: list[torch.Tensor]
     nbytes: int
@@ -202,7 +200,6 @@ class _Link:
         self.want_acked = -1
         self.want_t = 0.0
         self.ping_out = False
-        self.bye_sent = False
         self.failed: str | None = None
 
     def credit(self, consumed: Any) -> None:
@@ -236,9 +233,9 @@ class _Inbound:
         return self.consumed
 
 
-class TorchRpcMQ(MQ):
-    """The ``torchrpc:cpu`` and ``torchrpc:cuda`` mq types. See :func:`mq.create` for the
-    common options (``queue_size``, ``timeout``, ``allow_pickle``, ``handler_threads``).
+class TorchRpcTransport(Transport):
+    """The ``torchrpc:cpu`` and ``torchrpc:cuda`` mq types' transport. See :func:`mq.create`
+    for the common options (``queue_size``, ``timeout``, ``allow_pickle``, ``handler_threads``).
 
     Args:
         device: ``"cpu"`` (CUDA tensors are staged through host memory) or ``"cuda"`` (CUDA
@@ -267,26 +264,26 @@ class TorchRpcMQ(MQ):
             ``torchrpc:cpu``; at ``listen()``, a second listening queue in one process.
     """
 
-    backend_name = "torchrpc"
+    name = "torchrpc"
+    keeps_tensors = True
 
-    def __init__(self, node_id: int, labels: Iterable[str] | str | None = None, *,
-                 device: str = "cpu", world_size: int | None = None,
+    def __init__(self, node_id: int, *, device: str = "cpu", world_size: int | None = None,
                  init_method: str | None = None, local_cuda_devices: Iterable[int] | None = None,
                  cuda_device_map: str | Mapping[int, Mapping[int, int]] | None = None,
                  rpc_timeout: float | None = None, num_worker_threads: int = 16,
                  socket_ifname: str | None = None, send_window: int = 64,
                  send_window_bytes: int = 256 << 20, copy_threshold: int = 1 << 20,
-                 heartbeat: float = 1.0, **kwargs: Any):
-        codec = kwargs.get("codec")
-        if codec is None:
-            kwargs["codec"] = Codec(allow_pickle=kwargs.get("allow_pickle", False), keep_tensors=True)
-        else:
-            codec.keep_tensors = True  # tensors must stay tensors to travel as RPC tensors
-        super().__init__(node_id, labels, **kwargs)
+                 heartbeat: float = 1.0, timeout: float = 30.0):
         if device not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda' (mq types torchrpc:cpu, "
                               f"torchrpc:cuda), got {device!r}")
+        self.node_id = node_id
+        self.timeout = float(timeout)
         self.device = device
+        # GPU tensors of torchrpc:cpu are staged through host: no CUDA IPC route.
+        self.routes = BACKEND_ROUTES["torchrpc"] - ({"nvlink"} if device == "cpu" else set())
+        self.addresses: dict[str, str] = {}
+        self._node: Events | None = None
         self.mq_type = f"torchrpc:{device}"
         if not torch.distributed.is_available() or not torch.distributed.rpc.is_available():
             raise ConfigError("this torch build has no torch.distributed.rpc: install a torch "
@@ -322,7 +319,6 @@ class TorchRpcMQ(MQ):
         if not isinstance(copy_threshold, int) or copy_threshold < 0:
             raise ConfigError(f"copy_threshold must be an int >= 0 (bytes), got {copy_threshold!r}")
         self.copy_threshold = copy_threshold
-        self._tls = threading.local()  # publish collects receipts to wait for them together
         self.heartbeat = float(heartbeat)
         self.socket_ifname = socket_ifname
         self.locality: Locality = local()
@@ -360,8 +356,9 @@ class TorchRpcMQ(MQ):
         self._shutdown_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def _start(self) -> None:
+    def start(self, node: Events) -> list[int]:
         global _ACTIVE
+        self._node = node
         with _AGENT_LOCK:
             if _ACTIVE is not None:
                 other = _ACTIVE
@@ -385,9 +382,16 @@ class TorchRpcMQ(MQ):
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                            name=f"mq{self.node_id}-rpc-heartbeat")
         self._hb_thread.start()
-        hello = self._encode(HELLO, "", self._hello_payload())
-        for peer in self._links:
-            self._transmit(peer, hello, self.timeout)
+        self.addresses = {"torchrpc": f"mq{self.node_id}@{self.init_method}"}
+        return list(self._links)
+
+    def greet(self, target: int, frame: Frame, token: str) -> None:
+        self.send(target, frame, self.timeout)
+
+    def connect(self, peer: int, info: dict[str, Any], route: Route) -> None:
+        """The RPC group is static: every link exists once ``init_rpc`` returned."""
+        if peer not in self._links:
+            raise ProtocolError(f"node {peer} is not in this torch RPC group of {self.world_size}")
 
     def _exchange_localities(self) -> dict[int, Locality]:
         """Publish our locality in the rendezvous store and read every peer's, before
@@ -494,21 +498,11 @@ class TorchRpcMQ(MQ):
             link.info = rpc.get_worker_info(f"mq{peer}")
         self._rpc_ready.set()
 
-    def _close_transport(self, timeout: float) -> None:
+    def close(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self._closing = True
         self._hb_stop.set()
         if self._rpc_started:
-            # Peers the core did not bid farewell (it only knows peers whose HELLO it has seen)
-            # learn that we leave: BYE is ordered after every frame we sent them.
-            for peer, link in self._links.items():
-                known = self._peers.get(peer)
-                if not link.bye_sent and not link.failed and not (known and known.lost):
-                    try:
-                        left = max(0.0, deadline - time.monotonic())
-                        self._transmit(peer, self._encode(BYE, "", None), min(0.5, left))
-                    except MQError:
-                        pass
             # Flush: wait for frames the peers have not confirmed yet, leaving time to shut down.
             flush_until = deadline - min(1.0, timeout / 2)
             for link in self._links.values():
@@ -557,46 +551,15 @@ class TorchRpcMQ(MQ):
             if _ACTIVE is self:
                 _ACTIVE = None
 
-    # ------------------------------------------------------------------ joining
-    def _hello_payload(self) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "labels": sorted(self.labels),
-            "subscriptions": sorted(self.subscriptions()),
-            "locality": self.locality.to_dict(),
-            "incarnation": self.incarnation,
-            "mq_type": self.mq_type,
-        }
-
-    def _on_control(self, env: Envelope) -> None:
-        if env.kind != HELLO:
-            return
-        info = env.payload
-        if not isinstance(info, dict) or info.get("node_id") != env.sender:
-            raise ProtocolError(f"malformed HELLO from node {env.sender}")
-        if info.get("mq_type") not in (None, self.mq_type):
-            log.warning("node %d: node %d runs %s, this node %s: GPU tensors may take a different "
-                        "path each way", self.node_id, env.sender, info.get("mq_type"), self.mq_type)
-        remote = Locality.from_dict(info.get("locality") or {})
-        supported = BACKEND_ROUTES["torchrpc"]
-        if self.device == "cpu":
-            supported = supported - {"nvlink"}  # GPU tensors are staged through host
-        route = select_route(self.locality, remote, supported=supported, peer=env.sender,
-                             same_process=False)
-        if self.device == "cpu" and route.gpudirect:
-            route = replace(route, gpudirect=False)
-        peer = Peer(env.sender, frozenset(str(x) for x in info.get("labels") or ()),
-                    frozenset(str(x) for x in info.get("subscriptions") or ()), route,
-                    info={"incarnation": info.get("incarnation"), "locality": info.get("locality"),
-                          "rpc_name": f"mq{env.sender}", "mq_type": info.get("mq_type")})
-        self._peer_joined(peer)
-
     # ------------------------------------------------------------------ sending
-    def _encode(self, kind: int, topic: str, payload: Any, corr: int = 0) -> _Outgoing:
-        tree, raw = self.codec.pack(payload)
-        head = msgpack.packb([WIRE_VERSION, kind, topic, corr, tree], use_bin_type=True)
-        header = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    def _tensors(self, frame: Frame) -> _Outgoing:
+        """The frame as RPC tensors, converted once per frame (publish shares it)."""
+        out = frame.layout.get("torchrpc")
+        if out is not None:
+            return out
+        header = torch.frombuffer(bytearray(frame.header), dtype=torch.uint8)
         staged = self.device == "cpu"
+        raw = frame.buffers
         shared = sum(_nbytes(b) for b in raw if isinstance(b, (np.ndarray, torch.Tensor))
                      and not (staged and isinstance(b, torch.Tensor) and b.device.type != "cpu"))
         copy = shared <= self.copy_threshold
@@ -614,21 +577,8 @@ class TorchRpcMQ(MQ):
                 t = torch.frombuffer(bytearray(b), dtype=torch.uint8) if len(b) else _EMPTY
             buffers.append(t)
         nbytes = header.numel() + sum(_nbytes(t) for t in buffers)
-        return _Outgoing(kind, header, buffers, nbytes, borrowed=not copy and shared > 0)
-
-    def publish(self, topic: str, payload: Any, *, timeout: float | None = None) -> list[int]:
-        # A large frame goes to every subscriber from the caller's memory: hand it to all of
-        # them first, then wait for all receipts together (not one transfer after another).
-        self._tls.receipts = receipts = []
-        try:
-            targets = super().publish(topic, payload, timeout=timeout)
-        finally:
-            self._tls.receipts = None
-            errors = [self._wait_received(link, fut, raise_=False) for link, fut in receipts]
-        for err in errors:
-            if err is not None:
-                raise err
-        return targets
+        out = frame.layout["torchrpc"] = _Outgoing(header, buffers, nbytes, borrowed=not copy and shared > 0)
+        return out
 
     def _buffers_for(self, peer: int, out: _Outgoing) -> list[torch.Tensor]:
         """The frame's tensors for one peer: CUDA tensors without a device map entry for that
@@ -645,10 +595,11 @@ class TorchRpcMQ(MQ):
             bufs.append(t)
         return bufs
 
-    def _transmit(self, peer: int, encoded: _Outgoing, timeout: float) -> None:
+    def send(self, peer: int, frame: Frame, timeout: float) -> Receipt | None:
         link = self._links.get(peer)
         if link is None:
             raise PeerLost(f"node {peer} is not in this torch RPC group (world_size={self.world_size})")
+        encoded = self._tensors(frame)
         buffers = self._buffers_for(peer, encoded)
         deadline = time.monotonic() + timeout
         with link.cond:
@@ -674,15 +625,10 @@ class TorchRpcMQ(MQ):
             link.sizes.append((seq, encoded.nbytes))
             link.bytes += encoded.nbytes
             link.pending += 1
-            if encoded.kind == BYE:
-                link.bye_sent = True
         fut.add_done_callback(lambda f, link=link: self._on_reply(link, f))
-        if encoded.borrowed:
-            receipts = getattr(self._tls, "receipts", None)
-            if receipts is not None:
-                receipts.append((link, fut))
-            else:
-                self._wait_received(link, fut)
+        if encoded.borrowed:  # the caller waits (all peers of a publish together) before returning
+            return lambda: self._wait_received(link, fut)
+        return None
 
     def _issue(self, link: _Link, seq: int, header: torch.Tensor, buffers: list[torch.Tensor]) -> Any:
         """Hand one frame to TensorPipe; raises (without consuming ``seq``) if it cannot."""
@@ -736,8 +682,8 @@ class TorchRpcMQ(MQ):
                 return
             link.failed = f"is unreachable (torch RPC: {_short(exc)})"
             link.cond.notify_all()
-        if not self._closing:
-            self._peer_lost(link.peer, link.failed)
+        if not self._closing and self._node is not None:
+            self._node.on_link_lost(link.peer, link.failed)
 
     def _control(self, link: _Link, seq: int, on_done: Any = None) -> None:
         """Send an unordered control frame (credit, want, ping); never blocks."""
@@ -775,9 +721,8 @@ class TorchRpcMQ(MQ):
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.heartbeat):
-            for peer in self._live_peers():
-                link = self._links.get(peer)
-                if link is None or link.ping_out or link.failed:
+            for link in self._links.values():
+                if link.ping_out or link.failed:
                     continue
                 link.ping_out = True
 
@@ -792,7 +737,8 @@ class TorchRpcMQ(MQ):
         """A frame arrived (TensorPipe thread): park it in order; never blocks."""
         inbound = self._inbound.get(sender) if isinstance(sender, int) else None
         if inbound is None:
-            self._stats.dropped_malformed += 1
+            if self._node is not None:
+                self._node.on_dropped(f"a frame from node {sender!r}, not in this RPC group")
             raise RuntimeError(f"mq: node {self.node_id} got a frame from node {sender!r}, which is "
                                f"not a peer in this group of {self.world_size}")
         self._links[sender].credit(ack)
@@ -805,7 +751,8 @@ class TorchRpcMQ(MQ):
             _settle_cuda(buffers)
         with self._rx_cond:
             if seq < inbound.expect or seq in inbound.held:
-                self._stats.dropped_malformed += 1  # a duplicate: never deliver twice
+                if self._node is not None:  # a duplicate: never deliver twice
+                    self._node.on_dropped(f"duplicate frame {seq} from node {sender}")
                 return inbound.report()
             inbound.held[seq] = (header, buffers)
             while inbound.expect in inbound.held:
@@ -824,17 +771,13 @@ class TorchRpcMQ(MQ):
                 if self._rx_stop:
                     return
                 sender, seq, (header, buffers) = self._ready.popleft()
+            assert self._node is not None
             try:
-                self._deliver(self._decode(sender, seq, header, buffers))
-            except _Oversized as exc:
-                self._stats.dropped_oversized += 1
-                log.warning("node %d: dropped a frame from node %d: %s", self.node_id, sender, exc)
+                head, views = self._frame_parts(header, buffers)
             except ProtocolError as exc:
-                self._stats.dropped_malformed += 1
-                log.warning("node %d: dropped a malformed frame from node %d: %s", self.node_id, sender, exc)
-            except Exception:
-                self._stats.dropped_malformed += 1
-                log.exception("node %d: error handling a frame from node %d", self.node_id, sender)
+                self._node.on_dropped(f"from node {sender}: {exc}")
+            else:
+                self._node.on_frame(head, views, sender)
             inbound = self._inbound[sender]
             with self._rx_cond:
                 inbound.consumed += 1
@@ -852,27 +795,19 @@ class TorchRpcMQ(MQ):
             if credit:
                 self._control(self._links[sender], _CREDIT)
 
-    def _decode(self, sender: int, seq: int, header: Any, buffers: list[Any]) -> Envelope:
+    def _frame_parts(self, header: Any, buffers: list[Any]) -> tuple[Any, list[Any]]:
+        """RPC tensors -> the codec's (header, buffers): flat uint8 host tensors become
+        buffer-protocol views (arrays, bytes), other tensors stay tensors."""
         if not (isinstance(header, torch.Tensor) and header.dtype == torch.uint8
                 and header.dim() == 1 and header.device.type == "cpu"):
             raise ProtocolError("frame header is not a CPU uint8 vector")
+        assert self._node is not None
         size = header.numel() + sum(t.numel() * t.element_size() for t in buffers)
-        if size > self.codec.max_frame_bytes:
-            raise _Oversized(f"{size} bytes exceeds max_frame_bytes={self.codec.max_frame_bytes}")
-        try:
-            version, kind, topic, corr, tree = msgpack.unpackb(header.numpy().tobytes(), raw=False,
-                                                               use_list=True, strict_map_key=False)
-        except Exception as exc:
-            raise ProtocolError(f"malformed header: {type(exc).__name__}: {exc}") from exc
-        check_envelope(version, kind, topic, sender, corr, tree, expected_version=WIRE_VERSION)
-        # Flat uint8 host tensors carry arrays and bytes: the codec wants buffer-protocol views.
+        if size > self._node.max_frame_bytes:
+            raise ProtocolError(f"{size} bytes exceeds max_frame_bytes={self._node.max_frame_bytes}")
         views = [t.numpy() if t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 1 else t
                  for t in buffers]
-        return Envelope(kind, topic, sender, seq, corr, self.codec.unpack(tree, views))
-
-
-class _Oversized(ProtocolError):
-    pass
+        return header.numpy(), views
 
 
 def _nbytes(buf: Any) -> int:

@@ -1,0 +1,130 @@
+"""In-process transport: the reference implementation of :mod:`mq.transport`.
+
+Nodes of one process find each other by name (``listen_to="inproc://learner"``,
+``attach_to=["inproc://learner"]``). Each node has a bounded inbox and one I/O thread; a frame
+travels as its contiguous layout (bytes), so the codec path is the one real transports use.
+Useful for tests, docs and single-process experiments; it is what the conformance suite checks
+every other transport against.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from typing import Any, Iterable
+
+from mq.codec import Frame, split
+from mq.errors import ConfigError, PeerLost, ProtocolError, Timeout
+from mq.routing import Route
+from mq.transport import Events, Transport
+
+_SCHEME = "inproc://"
+_REGISTRY: dict[str, "InprocTransport"] = {}
+_REGISTRY_LOCK = threading.Lock()
+_names = itertools.count()
+
+
+class InprocTransport(Transport):
+    """The ``inproc`` mq type's transport.
+
+    Args:
+        listen_to: ``inproc://name`` (default: a fresh unique name).
+        attach_to: names of nodes in this process to join.
+        inbox_size: frames waiting in the inbox before senders wait (backpressure).
+    """
+
+    name = "inproc"
+    routes = frozenset({"inproc"})
+
+    def __init__(self, node_id: int, *, listen_to: str | None = None, attach_to: Iterable[str] = (),
+                 inbox_size: int = 64, timeout: float = 30.0):
+        self.node_id = node_id
+        self.address = _check(listen_to or f"{_SCHEME}node-{node_id}-{next(_names)}", "listen_to")
+        self.attach_to = [_check(a, "attach_to address") for a in
+                          ([a for a in attach_to.split(",") if a] if isinstance(attach_to, str) else attach_to)]
+        if not isinstance(inbox_size, int) or inbox_size < 1:
+            raise ConfigError(f"inbox_size must be an int >= 1, got {inbox_size!r}")
+        self.addresses: dict[str, str] = {}
+        self._inbox: queue.Queue = queue.Queue(inbox_size)
+        self._links: dict[int, InprocTransport] = {}
+        self._node: Events | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self, node: Events) -> list[str]:
+        with _REGISTRY_LOCK:
+            if self.address in _REGISTRY:
+                raise ConfigError(f"listen_to {self.address!r} is taken in this process: pick another name")
+            _REGISTRY[self.address] = self
+        self._node = node
+        self.addresses = {"inproc": self.address}
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"mq{self.node_id}-inproc-io")
+        self._thread.start()
+        return list(self.attach_to)
+
+    def greet(self, target: str, frame: Frame, token: str) -> None:
+        deadline = time.monotonic() + 30.0
+        while True:  # like a dial: wait (bounded) for the target to listen
+            with _REGISTRY_LOCK:
+                other = _REGISTRY.get(target)
+            if other is not None or time.monotonic() > deadline or self._closed:
+                break
+            time.sleep(0.01)
+        if other is None:
+            raise PeerLost(f"nothing listens on {target!r} in this process")
+        other._put(frame.to_bytes(), 30.0)
+
+    def connect(self, peer: int, info: dict[str, Any], route: Route) -> None:
+        with _REGISTRY_LOCK:
+            other = _REGISTRY.get((info.get("addresses") or {}).get("inproc", ""))
+        if other is None:
+            raise ProtocolError(f"node {peer} advertised no live inproc address")
+        self._links[peer] = other
+
+    def send(self, peer: int, frame: Frame, timeout: float) -> None:
+        other = self._links.get(peer)
+        if other is None or other._closed:
+            raise PeerLost(f"node {peer} has no open link from node {self.node_id}")
+        other._put(frame.to_bytes(), timeout)
+        return None
+
+    def _put(self, data: bytearray, timeout: float) -> None:
+        try:
+            self._inbox.put(data, timeout=timeout)
+        except queue.Full:
+            raise Timeout(f"node did not take the message within {timeout:g}s: its queue is full") from None
+
+    def _loop(self) -> None:
+        while not self._closed:
+            try:
+                data = self._inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            assert self._node is not None
+            try:
+                header, buffers = split(data)
+            except ProtocolError as exc:
+                self._node.on_dropped(str(exc))
+                continue
+            self._node.on_frame(header, buffers, None)
+
+    def close(self, timeout: float) -> None:
+        self._closed = True
+        with _REGISTRY_LOCK:
+            if _REGISTRY.get(self.address) is self:
+                del _REGISTRY[self.address]
+            others = list(_REGISTRY.values())
+        for other in others:  # tell every node linked to us, as a dropped connection would
+            for peer, link in list(other._links.items()):
+                if link is self and other._node is not None:
+                    other._node.on_link_lost(peer, "disconnected (it closed)")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+def _check(address: Any, what: str) -> str:
+    if not isinstance(address, str) or not address.startswith(_SCHEME) or len(address) <= len(_SCHEME):
+        raise ConfigError(f"{what} {address!r} must look like inproc://name")
+    return address

@@ -1,0 +1,535 @@
+"""The shm data path: CPU buffers between processes on one host, through a shared-memory pool.
+
+Each node owns one :class:`Pool` of anonymous shared memory (``memfd_create``): nothing is ever
+named in /dev/shm, so Docker's 64 MiB /dev/shm does not limit it and no segment outlives the
+processes that map it (SIGKILL of either side leaves nothing behind). A peer on the same host
+opens the pool's segments through ``/proc/<pid>/fd/<fd>`` (same boot id, IPC and PID namespace;
+the join handshake probes it, see :meth:`Pool.probe_info` / :meth:`PoolReader.probe`).
+
+Sending a buffer on this path::
+
+    sender:   pool.place(buf, holders)   -> one memcpy into a warm slot (no copy if ``buf`` was
+                                            allocated in the pool: sent "by handle")
+              descriptor [seg, gen, offset, nbytes] travels in the frame header
+    receiver: reader.view(descriptor)    -> zero-copy view of the slot; when the last view is
+                                            garbage, a RELEASE goes back to the sender
+    sender:   pool.release(peer, seg, gen) -> the slot is free again (once every holder released)
+
+Segments are reused by size, so after the first message of a size both sides touch memory
+that is already mapped and faulted (page faults, not copies, dominate large transfers on small
+machines). The pool's byte bound is a backpressure bound: when every slot is held by receivers,
+:meth:`Pool.place` waits up to the caller's timeout, then raises :class:`~mq.errors.Timeout`.
+
+Each segment starts with a 64-byte header (magic, generation, state) that the receiver checks,
+so a stale or forged descriptor (unknown segment, wrong generation, span past the end) is a
+:class:`~mq.errors.ProtocolError` (dropped and counted), never an out-of-bounds view.
+
+Ownership (documented in the README): a receiver's numpy arrays are read-only views and its
+torch tensors are writable views of the sender's slot; with ``publish`` one slot is shared by
+every same-host subscriber, so copy before writing in place. A buffer from :meth:`Pool.alloc`
+belongs to the sender again only when every receiver released it: :meth:`Pool.wait_released`
+waits for that, and the sender's numpy view is read-only in between.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+from cffi import FFI
+
+from mq.errors import ConfigError, ProtocolError, Timeout
+
+log = logging.getLogger("mq.shm")
+
+_ffi = FFI()
+_MAGIC = b"mq-pool\x00"
+_HEADER = 64  # segment header; data starts here, 64-byte aligned
+_HEAD = struct.Struct("<8sQQ")  # magic, generation, state
+_LIVE, _RETIRED = 0, 1
+_NAME_PREFIX = "mq-pool-"
+_MIN_SEGMENT = 64 << 10
+
+#: Default bound of one node's pool: a quarter of RAM, at most 4 GiB.
+DEFAULT_POOL_BYTES = min(4 << 30, (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4)
+#: Buffers smaller than this stay inline in the frame. Measured on the reference VM (mq bench,
+#: nng same host): below ~64 KiB a descriptor plus a RELEASE costs more than the socket copy.
+DEFAULT_INLINE_MAX = 64 << 10
+
+
+def available() -> str | None:
+    """Why this process cannot make a pool, or None when it can."""
+    if not hasattr(os, "memfd_create"):
+        return "os.memfd_create is missing (needs Linux >= 3.17)"
+    return None
+
+
+def _capacity(nbytes: int) -> int:
+    """Round a request up to a size class (at most 12.5% slack) so slots are reusable."""
+    n = max(nbytes, _MIN_SEGMENT)
+    step = max(4096, 1 << max(0, n.bit_length() - 4))
+    return (n + step - 1) // step * step
+
+
+def _address(buf: Any) -> tuple[int, int]:
+    """(address, nbytes) of a C-contiguous buffer (numpy array, bytes, memoryview, tensor)."""
+    if isinstance(buf, np.ndarray):
+        return buf.__array_interface__["data"][0], buf.nbytes
+    if hasattr(buf, "data_ptr"):  # torch tensor
+        return buf.data_ptr(), buf.numel() * buf.element_size()
+    mv = memoryview(buf)
+    return int(_ffi.cast("uintptr_t", _ffi.from_buffer(mv))), mv.nbytes
+
+
+@dataclass
+class _Segment:
+    """One memfd of the pool: a slot holding one buffer at a time."""
+
+    seg_id: int
+    fd: int
+    capacity: int
+    mm: mmap.mmap
+    base: int  # address of the data (after the header)
+    gen: int = 0
+    holders: dict[int, int] = field(default_factory=dict)  # peer -> views it may still hold
+    pinned: bool = False  # allocated by the user (alloc): never reused while referenced
+    user_view: Any = None  # the numpy array handed out by alloc()
+
+    @property
+    def free(self) -> bool:
+        return not self.holders and not self.pinned
+
+    def write_header(self, state: int = _LIVE) -> None:
+        _HEAD.pack_into(self.mm, 0, _MAGIC, self.gen, state)
+
+
+class Pool:
+    """This node's shared memory for the shm data path (the sender side).
+
+    Args:
+        max_bytes: bound of all segments together; a buffer larger than this goes inline.
+        inline_max: buffers smaller than this stay inline in the frame.
+        label: shows in ``/proc/<pid>/fd`` as ``memfd:mq-pool-<label>`` (for humans).
+
+    Thread-safe: ``place``, ``release`` and ``alloc`` may be called from any thread.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_POOL_BYTES, inline_max: int = DEFAULT_INLINE_MAX,
+                 label: str = ""):
+        self.check_options(max_bytes, inline_max)
+        why = available()
+        if why:
+            raise OSError(why)
+        self.max_bytes = max_bytes
+        self.inline_max = inline_max
+        self.label = label
+        self._cond = threading.Condition()
+        self._segments: dict[int, _Segment] = {}
+        self._by_address: list[tuple[int, int, _Segment]] = []  # (start, end, seg) for handles
+        self._ids = itertools.count(1)
+        self._bytes = 0
+        self._closed = False
+        self.stats = {"placed": 0, "by_handle": 0, "copied_bytes": 0, "waits": 0,
+                      "stale_releases": 0, "segments": 0}
+        # A tiny segment peers open during the handshake to prove they can read this pool.
+        self._probe = self._new_segment(0)
+        self._probe.pinned = True
+
+    @staticmethod
+    def check_options(max_bytes: Any, inline_max: Any) -> None:
+        for name, value in (("shm_pool_bytes", max_bytes), ("shm_inline_max", inline_max)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0 (bytes), got {value!r}")
+
+    # ------------------------------------------------------------------ handshake
+    def probe_info(self) -> dict[str, Any]:
+        """What a peer needs to open this pool: pid and the probe segment."""
+        return {"pid": os.getpid(), "probe": [self._probe.seg_id, self._probe.fd]}
+
+    # ------------------------------------------------------------------ sending
+    def wants(self, nbytes: int) -> bool:
+        """Whether a buffer of ``nbytes`` should travel by descriptor."""
+        return self.inline_max <= nbytes <= self.max_bytes and nbytes > 0
+
+    def place(self, buf: Any, holders: list[int], timeout: float) -> list[int]:
+        """Put ``buf`` in a slot for ``holders`` (peer ids) and return its descriptor
+        ``[seg_id, fd, gen, offset, nbytes]``. No copy if ``buf`` already lies in the pool.
+
+        Raises:
+            Timeout: every slot stayed held by receivers for ``timeout`` seconds.
+        """
+        addr, nbytes = _address(buf)
+        with self._cond:
+            seg = self._owner(addr, nbytes)
+            if seg is not None:  # sent by handle: share the user's slot
+                self._hold(seg, holders)
+                self.stats["by_handle"] += 1
+                if seg.user_view is not None:
+                    seg.user_view.flags.writeable = False  # the sender's copy is shared now
+                return [seg.seg_id, seg.fd, seg.gen, addr - seg.base, nbytes]
+            seg = self._take(nbytes, timeout)
+            seg.gen += 1
+            seg.write_header()
+            self._hold(seg, holders)
+        # Copy outside the lock: other senders may place meanwhile.
+        dst = np.frombuffer(seg.mm, np.uint8, nbytes, _HEADER)
+        np.copyto(dst, _as_uint8(buf))
+        self.stats["placed"] += 1
+        self.stats["copied_bytes"] += nbytes
+        return [seg.seg_id, seg.fd, seg.gen, 0, nbytes]
+
+    def _hold(self, seg: _Segment, holders: list[int]) -> None:
+        for peer in holders:
+            seg.holders[peer] = seg.holders.get(peer, 0) + 1
+
+    def _owner(self, addr: int, nbytes: int) -> _Segment | None:
+        for start, end, seg in self._by_address:
+            if start <= addr and addr + nbytes <= end:
+                return seg
+        return None
+
+    def _take(self, nbytes: int, timeout: float) -> _Segment:
+        """A free segment that fits (best fit), a new one, or wait. Called with the lock held."""
+        deadline = time.monotonic() + timeout
+        waited = False
+        while True:
+            if self._closed:
+                raise ConfigError("the shared-memory pool is closed (the queue stopped)")
+            fits = [s for s in self._segments.values()
+                    if s.free and nbytes <= s.capacity <= 2 * _capacity(nbytes)]
+            if fits:
+                return min(fits, key=lambda s: s.capacity)
+            cap = _capacity(nbytes)
+            if self._bytes + cap > self.max_bytes:
+                self._retire_free(self._bytes + cap - self.max_bytes)
+            if self._bytes + cap <= self.max_bytes:
+                return self._new_segment(cap)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                held = sum(s.capacity for s in self._segments.values() if not s.free)
+                raise Timeout(
+                    f"the shared-memory pool stayed full for {timeout:g}s ({held >> 20} MiB of "
+                    f"{self.max_bytes >> 20} MiB held by receivers that still reference earlier "
+                    "messages): receivers must drop or copy what they keep, or raise "
+                    "shm_pool_bytes / pass timeout= to wait longer")
+            if not waited:
+                self.stats["waits"] += 1
+                waited = True
+            self._cond.wait(min(left, 0.1))
+
+    def _new_segment(self, capacity: int) -> _Segment:
+        fd = os.memfd_create(f"{_NAME_PREFIX}{self.label}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, _HEADER + capacity)
+            mm = mmap.mmap(fd, _HEADER + capacity, flags=mmap.MAP_SHARED)
+        except OSError:
+            os.close(fd)
+            raise
+        base = int(_ffi.cast("uintptr_t", _ffi.from_buffer(mm))) + _HEADER
+        seg = _Segment(next(self._ids), fd, capacity, mm, base)
+        seg.write_header()
+        self._segments[seg.seg_id] = seg
+        self._bytes += capacity
+        self.stats["segments"] += 1
+        return seg
+
+    def _retire_free(self, need: int) -> None:
+        """Close free segments (largest first) until ``need`` bytes are available."""
+        for seg in sorted((s for s in self._segments.values() if s.free and s.capacity),
+                          key=lambda s: -s.capacity):
+            if need <= 0:
+                return
+            need -= seg.capacity
+            self._drop(seg)
+
+    def _drop(self, seg: _Segment) -> None:
+        # Readers still mapping it see RETIRED and unmap it once their views are gone.
+        seg.write_header(_RETIRED)
+        del self._segments[seg.seg_id]
+        self._bytes -= seg.capacity
+        self._by_address = [e for e in self._by_address if e[2] is not seg]
+        try:
+            seg.mm.close()
+        except BufferError:  # a user view still exports it: the mapping goes with that view
+            pass
+        os.close(seg.fd)
+
+    # ------------------------------------------------------------------ releasing
+    def release(self, peer: int, seg_id: Any, gen: Any, count: Any = 1) -> bool:
+        """``peer`` dropped ``count`` views of slot ``seg_id`` generation ``gen``. False (and
+        counted) when that does not match what the peer holds: stale or forged."""
+        with self._cond:
+            seg = self._segments.get(seg_id) if isinstance(seg_id, int) else None
+            held = seg.holders.get(peer, 0) if seg is not None else 0
+            if seg is None or gen != seg.gen or not isinstance(count, int) or not 0 < count <= held:
+                self.stats["stale_releases"] += 1
+                return False
+            if held == count:
+                del seg.holders[peer]
+            else:
+                seg.holders[peer] = held - count
+            self._after_release(seg)
+            return True
+
+    def peer_gone(self, peer: int) -> None:
+        """A peer left or died: whatever it held is free again."""
+        with self._cond:
+            for seg in list(self._segments.values()):
+                if seg.holders.pop(peer, None) is not None:
+                    self._after_release(seg)
+
+    def _after_release(self, seg: _Segment) -> None:
+        if not seg.holders and seg.user_view is not None:
+            seg.user_view.flags.writeable = True
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------------ by handle
+    def alloc(self, shape: Any, dtype: Any) -> Any:
+        """A numpy array (numpy dtype) or torch tensor (torch dtype) of ``shape`` in the pool.
+        Sending it, anywhere in a payload, to a same-host shm peer costs a descriptor."""
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ConfigError(f"shape must be ints >= 0, got {shape!r}")
+        torch_dtype = _torch_dtype(dtype)
+        np_dtype = np.dtype(np.uint8 if torch_dtype is not None else dtype)
+        itemsize = torch_dtype.itemsize if torch_dtype is not None else np_dtype.itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        with self._cond:
+            seg = self._new_segment(_capacity(nbytes))
+            seg.pinned = True
+            seg.gen += 1
+            seg.write_header()
+            self._by_address.append((seg.base, seg.base + seg.capacity, seg))
+        raw = np.frombuffer(seg.mm, np.uint8, nbytes, _HEADER)
+        if torch_dtype is not None:
+            import torch
+
+            return torch.frombuffer(raw, dtype=torch.uint8).view(torch_dtype).reshape(shape) \
+                if nbytes else torch.empty(shape, dtype=torch_dtype)
+        arr = raw.view(np_dtype).reshape(shape)
+        seg.user_view = arr
+        return arr
+
+    def holders_of(self, buf: Any) -> int:
+        """How many views of the pool buffer ``buf`` receivers may still hold."""
+        addr, nbytes = _address(buf)
+        with self._cond:
+            seg = self._owner(addr, nbytes)
+            if seg is None:
+                raise ConfigError("this buffer was not allocated with q.alloc(): only pool "
+                                  "buffers are sent by handle")
+            return sum(seg.holders.values())
+
+    def wait_released(self, buf: Any, timeout: float) -> None:
+        """Block until no receiver holds a view of pool buffer ``buf``; then the sender may
+        write it again.
+
+        Raises:
+            Timeout: a receiver still holds it after ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.holders_of(buf):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    seg = self._owner(*_address(buf))
+                    peers = sorted(seg.holders) if seg else []
+                    raise Timeout(f"nodes {peers} still hold views of this buffer after "
+                                  f"{timeout:g}s: they must drop (or copy) what they received")
+                self._cond.wait(min(left, 0.1))
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for seg in list(self._segments.values()):
+                if not seg.pinned or seg is self._probe:
+                    self._drop(seg)
+                else:  # the user may still use an alloc() buffer: leave its mapping alive
+                    seg.write_header(_RETIRED)
+                    os.close(seg.fd)
+                    del self._segments[seg.seg_id]
+            self._cond.notify_all()
+
+
+def _as_uint8(buf: Any) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    if hasattr(buf, "data_ptr"):  # a CPU torch tensor
+        return buf.reshape(-1).view(__import__("torch").uint8).numpy()
+    return np.frombuffer(buf, np.uint8)
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return dtype if torch is not None and isinstance(dtype, torch.dtype) else None
+
+
+class _Mapping:
+    """One peer segment mapped here."""
+
+    __slots__ = ("mm", "base", "size", "live", "orphan")
+
+    def __init__(self, mm: mmap.mmap, size: int):
+        self.mm = mm
+        self.base = int(_ffi.cast("uintptr_t", _ffi.from_buffer(mm)))
+        self.size = size
+        self.live = 0  # views handed out and not yet released
+        self.orphan = False  # unmap when the last view goes (the reader closed meanwhile)
+
+
+class PoolReader:
+    """Views of one peer's pool (the receiver side).
+
+    Args:
+        peer: the peer's node id (for messages).
+        info: the peer's :meth:`Pool.probe_info`.
+        on_release: called as ``on_release(seg_id, gen)`` when the last reference to a view is
+            dropped. Runs from garbage collection, in any thread: it must not block or lock
+            (a ``SimpleQueue.put`` is fine).
+    """
+
+    def __init__(self, peer: int, info: Any, on_release: Callable[[int, int], None]):
+        if not (isinstance(info, dict) and isinstance(info.get("pid"), int)
+                and isinstance(info.get("probe"), list) and len(info["probe"]) == 2):
+            raise ProtocolError(f"node {peer}: malformed shared-memory pool description")
+        self.peer = peer
+        self.pid = info["pid"]
+        self._probe = info["probe"]
+        self._on_release = on_release
+        self._maps: dict[int, _Mapping] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def probe(self) -> str | None:
+        """Open the peer's probe segment: None when this process can read the peer's pool,
+        else why not (the route then falls back to a socket, and says so)."""
+        try:
+            self._open(*self._probe)
+        except (OSError, ProtocolError) as exc:
+            return f"cannot open node {self.peer}'s shared memory ({exc})"
+        return None
+
+    def _open(self, seg_id: int, fd: int) -> _Mapping:
+        m = self._maps.get(seg_id)
+        if m is not None:
+            return m
+        path = f"/proc/{self.pid}/fd/{fd}"
+        target = os.readlink(path)
+        if not target.startswith(f"/memfd:{_NAME_PREFIX}"):
+            raise ProtocolError(f"{path} is not an mq pool segment ({target!r})")
+        mfd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            size = os.fstat(mfd).st_size
+            if size < _HEADER:
+                raise ProtocolError(f"segment {seg_id} of node {self.peer} is truncated")
+            mm = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(mfd)
+        magic, _gen, _state = _HEAD.unpack_from(mm, 0)
+        if magic != _MAGIC:
+            mm.close()
+            raise ProtocolError(f"segment {seg_id} of node {self.peer} has no mq header")
+        m = self._maps[seg_id] = _Mapping(mm, size)
+        self._unmap_retired()
+        return m
+
+    def view(self, desc: Any) -> memoryview:
+        """A zero-copy view for descriptor ``[seg_id, fd, gen, offset, nbytes]``.
+
+        Raises:
+            ProtocolError: the descriptor is malformed, stale or out of bounds.
+        """
+        if not (isinstance(desc, list) and len(desc) == 5 and all(type(x) is int for x in desc)):
+            raise ProtocolError(f"malformed shared-memory descriptor {desc!r}")
+        seg_id, fd, gen, offset, nbytes = desc
+        with self._lock:
+            if self._closed:
+                raise ProtocolError("the peer's pool is closed")
+            try:
+                m = self._open(seg_id, fd)
+            except OSError as exc:
+                raise ProtocolError(f"descriptor names segment {seg_id} (fd {fd}) of node "
+                                    f"{self.peer}, which cannot be opened: {exc}") from None
+            _magic, live_gen, state = _HEAD.unpack_from(m.mm, 0)
+            if gen != live_gen or state != _LIVE:
+                raise ProtocolError(f"stale descriptor: segment {seg_id} is at generation "
+                                    f"{live_gen}, the frame says {gen}")
+            if offset < 0 or nbytes < 0 or _HEADER + offset + nbytes > m.size:
+                raise ProtocolError(f"descriptor span {offset}+{nbytes} overruns segment {seg_id} "
+                                    f"of {m.size - _HEADER} bytes")
+            m.live += 1
+
+        def released(_p: Any, m: _Mapping = m) -> None:
+            m.live -= 1
+            if m.live == 0 and m.orphan:
+                m.mm.close()
+            self._on_release(seg_id, gen)
+
+        ptr = _ffi.gc(_ffi.cast("char *", m.base + _HEADER + offset), released)
+        return memoryview(_ffi.buffer(ptr, nbytes))
+
+    def _unmap_retired(self) -> None:
+        for seg_id, m in list(self._maps.items()):
+            if m.live == 0 and _HEAD.unpack_from(m.mm, 0)[2] == _RETIRED:
+                self._unmap(seg_id)
+
+    def _unmap(self, seg_id: int) -> None:
+        # Views are raw pointers into the mapping: never unmap under a live one.
+        m = self._maps.pop(seg_id)
+        if m.live:
+            m.orphan = True
+        else:
+            m.mm.close()
+
+    def close(self) -> None:
+        """Unmap what no view references; live views keep their segment mapped until dropped."""
+        with self._lock:
+            self._closed = True
+            for seg_id in list(self._maps):
+                self._unmap(seg_id)
+
+
+class ReleaseQueue:
+    """Collects releases from garbage collection (any thread, any moment) without locks, and
+    hands them out in batches per peer."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, peer: int, seg_id: int, gen: int) -> None:
+        self._q.put((peer, seg_id, gen))
+
+    def take(self, timeout: float) -> dict[int, list[list[int]]]:
+        """Releases by peer as ``[[seg_id, gen, count], ...]``; waits up to ``timeout`` for one."""
+        try:
+            first = self._q.get(timeout=timeout)
+        except queue.Empty:
+            return {}
+        counts: dict[tuple[int, int, int], int] = {}
+        item = first
+        while True:
+            if item is not None:
+                counts[item] = counts.get(item, 0) + 1
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+        out: dict[int, list[list[int]]] = {}
+        for (peer, seg_id, gen), n in counts.items():
+            out.setdefault(peer, []).append([seg_id, gen, n])
+        return out
+
+    def wake(self) -> None:
+        self._q.put(None)  # type: ignore[arg-type]

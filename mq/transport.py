@@ -1,0 +1,88 @@
+"""The transport interface: what a backend must do, and nothing more.
+
+A transport moves frames (:class:`mq.codec.Frame`) between this node and its peers. It knows
+nothing about topics, calls, subscriptions, handshakes or shared memory: :class:`mq.core.MQ`
+owns all of that and holds one transport. Data paths (:mod:`mq.shm`) ride inside frames as
+descriptors, so every transport carries them.
+
+Contract (every method may be called from any thread unless it says otherwise):
+
+``start(node) -> targets``
+    Listen, fill ``addresses``, and return the targets to greet (``greet``) to join the job:
+    addresses for NNG, ranks for torch RPC. ``node`` receives events (:class:`Events`).
+``greet(target, frame, token)``
+    Send a HELLO frame to a target whose node id is not known yet. Best effort and
+    non-blocking: the answer comes back as a frame whose HELLO_ACK payload echoes ``token``
+    (``connect`` may then drop whatever it opened for the greeting).
+``connect(peer, info, route)``
+    Open the data link to a peer that said HELLO (``info`` is its HELLO payload, ``route`` the
+    route core chose). Idempotent for the same peer incarnation. Symmetric: both sides call it.
+``send(peer, frame, timeout) -> receipt | None``
+    Move one frame to ``peer``, in order after every frame sent to it before, or raise
+    :class:`~mq.errors.Timeout` (nothing sent) / :class:`~mq.errors.PeerLost` within ``timeout``.
+    Returns a ``receipt()`` callable when the frame still references the caller's memory; the
+    caller calls it before returning to the user (it waits until the peer has the bytes).
+``read_in_caller(timeout) -> bool``
+    Optional: receive and deliver at most one frame in the calling thread (``recv()`` uses it
+    to skip a thread hand-off). False when the transport cannot.
+``close(timeout)``
+    Close every link within ``timeout`` seconds; never raises.
+
+Native errors are mapped to :mod:`mq.errors` at one place in each transport.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Protocol
+
+from mq.codec import Frame
+from mq.routing import Route
+
+Receipt = Callable[[], None]
+
+
+class Events(Protocol):
+    """What a transport reports to its node (core)."""
+
+    max_frame_bytes: int
+
+    def on_frame(self, header: Any, buffers: list[Any], peer: int | None) -> None:
+        """A frame arrived. ``peer`` is the link's peer when the transport knows it (None on a
+        bootstrap link). Runs on the transport's I/O thread (or a ``read_in_caller`` caller)."""
+
+    def on_link_lost(self, peer: int, why: str) -> None:
+        """The link to ``peer`` broke (its process died, or it closed)."""
+
+    def on_dropped(self, why: str) -> None:
+        """A frame could not even be laid out (truncated, overrunning): count and log it."""
+
+
+class Transport:
+    """Base of every transport; see the module docstring for the contract."""
+
+    #: backend name (``nng``, ``torchrpc``, ``inproc``)
+    name = "abstract"
+    #: route kinds this transport can carry by itself (the shm data path adds ``shm``)
+    routes: frozenset[str] = frozenset()
+    #: the codec keeps tensors as tensors (torch RPC sends them as RPC tensors)
+    keeps_tensors = False
+    #: this node's addresses by kind, filled by start()
+    addresses: dict[str, str]
+
+    def start(self, node: Events) -> Iterable[Any]:
+        raise NotImplementedError
+
+    def greet(self, target: Any, frame: Frame, token: str) -> None:
+        raise NotImplementedError
+
+    def connect(self, peer: int, info: dict[str, Any], route: Route) -> None:
+        raise NotImplementedError
+
+    def send(self, peer: int, frame: Frame, timeout: float) -> Receipt | None:
+        raise NotImplementedError
+
+    def read_in_caller(self, timeout: float) -> bool:
+        return False
+
+    def close(self, timeout: float) -> None:
+        raise NotImplementedError
