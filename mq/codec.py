@@ -322,13 +322,13 @@ class Codec:
                 shared.add(index)
         return Envelope(kind, topic, sender, seq, corr, self.unpack(tree, buffers, shared))
 
-    def total_bytes(self, header: Any) -> int:
-        """Inline plus shared bytes a frame's header announces (0 if it cannot be read)."""
-        try:
-            sizes, descs = msgpack.unpackb(header, raw=False, strict_map_key=False)[7:9]
-            return sum(sizes) + sum(d[4] for d in (descs or {}).values())
-        except Exception:
-            return 0
+    def decode_frame(self, frame: Any) -> Envelope:
+        """A frame in the contiguous layout -> :class:`Envelope` (no shm descriptors);
+        :class:`ProtocolError` if it is malformed or larger than ``max_frame_bytes``."""
+        if memoryview(frame).nbytes > self.max_frame_bytes:
+            raise ProtocolError(f"frame of {memoryview(frame).nbytes} bytes exceeds "
+                                f"max_frame_bytes={self.max_frame_bytes}")
+        return self.decode(*split(frame))
 
 
 def split(frame: Any) -> tuple[memoryview, list[memoryview]]:

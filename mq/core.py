@@ -251,6 +251,11 @@ class MQ:
     def running(self) -> bool:
         return self._state == "listening"
 
+    @property
+    def addresses(self) -> dict[str, str]:
+        """Where peers reach this node, by kind (``tcp``, ``ipc``, ...), once listening."""
+        return dict(self.transport.addresses)
+
     # ------------------------------------------------------------------ subscriptions
     def subscribe(self, topic: str, fn: Callable[[Message], Any] | None = None) -> None:
         """Receive ``topic``: into :meth:`recv`, or by calling ``fn(message)`` off the I/O thread."""
@@ -547,7 +552,8 @@ class MQ:
         same_process = remote.pid == self.locality.pid and remote.boot_id == self.locality.boot_id
         supported = set(self.transport.routes)
         reader, why_not = None, None
-        if self._pool is not None and info.get("shm") is not None and not same_process:
+        if (self._pool is not None and self.transport.shm_ok and info.get("shm") is not None
+                and not same_process):
             try:
                 reader = _shm.PoolReader(peer_id, info["shm"], self._releaser_for(peer_id))
                 why_not = reader.probe()

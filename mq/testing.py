@@ -29,6 +29,8 @@ def run_group(mq_type: str, scenario: str, *, n: int = 2, protocol: str = "auto"
               labels: Any = None, mq_options: dict[str, Any] | None = None,
               deadline_s: float = 60.0) -> dict[int, Any]:
     """Run ``scenario`` (a ``check_*`` name in this module) on ``n`` nodes; results by node id."""
+    if mq_type == "inproc":
+        return _run_threads(scenario, n, labels, {"timeout": 10.0, **(mq_options or {})}, deadline_s)
     with tempfile.TemporaryDirectory(prefix="mq-conformance-") as out:
         plan = make_plan("mq.testing:_node_main", n_workers=n, mq_type=mq_type, protocol=protocol,
                          labels=labels, mq_options={"timeout": 10.0, **(mq_options or {})},
@@ -41,7 +43,42 @@ def run_group(mq_type: str, scenario: str, *, n: int = 2, protocol: str = "auto"
         return results
 
 
+def _run_threads(scenario: str, n: int, labels: Any, options: dict[str, Any],
+                 deadline_s: float) -> dict[int, Any]:
+    """The in-process transport's job: every node is a thread of this process."""
+    names = [f"inproc://conformance-{os.getpid()}-{time.monotonic_ns()}-{i}" for i in range(n)]
+    label_list = labels if isinstance(labels, list) else [labels] * n
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def node(i: int) -> None:
+        q = mq.create("inproc", i, label_list[i], listen_to=names[i], attach_to=names[:i], **options)
+        try:
+            with q:
+                ctx = mq.Context(i, q.labels, q, "inproc", n, list(range(n)), {"scenario": scenario})
+                results[i] = _run_scenario(ctx)
+        except BaseException as exc:  # reported below, like a worker's traceback
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(deadline_s)
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in threads):
+        raise mq.Timeout(f"scenario {scenario} did not finish within {deadline_s:g}s")
+    return results
+
+
 def _node_main(ctx: mq.Context) -> None:
+    result = _run_scenario(ctx)
+    with open(os.path.join(ctx.args["out"], f"{ctx.node_id}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def _run_scenario(ctx: mq.Context) -> Any:
     q = ctx.mq
     q.subscribe(BARRIER, _BarrierBox.get(q).arrive)
     q.wait_for_peers(len(ctx.node_ids) - 1, timeout=20)
@@ -49,8 +86,7 @@ def _node_main(ctx: mq.Context) -> None:
     result = globals()[ctx.args["scenario"]](ctx)
     if q.running:
         barrier(ctx, "end")
-    with open(os.path.join(ctx.args["out"], f"{ctx.node_id}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    return result
 
 
 class _BarrierBox:

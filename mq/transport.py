@@ -64,6 +64,8 @@ class Transport:
     name = "abstract"
     #: route kinds this transport can carry by itself (the shm data path adds ``shm``)
     routes: frozenset[str] = frozenset()
+    #: core may use the shm data path with same-host peers (False when a user forced a route)
+    shm_ok = True
     #: the codec keeps tensors as tensors (torch RPC sends them as RPC tensors)
     keeps_tensors = False
     #: this node's addresses by kind, filled by start()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from mq.codec import MSG, Codec
+from mq.codec import MSG, VERSION, Codec
 from mq.errors import EncodeError, ProtocolError
 from mq.testing import _same, sample_payload
 
@@ -28,7 +28,7 @@ TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, t
 def roundtrip(payload, codec=None):
     codec = codec or Codec()
     frame = codec.encode(MSG, "t", 3, 9, 0, payload).to_bytes()
-    env = codec.decode(frame)
+    env = codec.decode_frame(frame)
     assert (env.kind, env.topic, env.sender, env.seq) == (MSG, "t", 3, 9)
     return env.payload
 
@@ -62,7 +62,7 @@ def test_arrays_travel_out_of_band():
 
 
 def test_received_arrays_are_writable_views():
-    out = Codec().decode(Codec().encode(MSG, "t", 0, 0, 0, np.ones(8)).to_bytes()).payload
+    out = Codec().decode_frame(Codec().encode(MSG, "t", 0, 0, 0, np.ones(8)).to_bytes()).payload
     out[0] = 5  # a user may train on what it received in place
     assert out[0] == 5
 
@@ -90,8 +90,8 @@ def test_unknown_type_fails_at_send_naming_type_and_opt_in():
 def test_pickle_needs_opt_in_on_the_receiving_side():
     frame = Codec(allow_pickle=True).encode(MSG, "t", 0, 0, 0, {"fn": len}).to_bytes()
     with pytest.raises(ProtocolError, match="does not unpickle"):
-        Codec().decode(frame)
-    assert Codec(allow_pickle=True).decode(frame).payload == {"fn": len}
+        Codec().decode_frame(frame)
+    assert Codec(allow_pickle=True).decode_frame(frame).payload == {"fn": len}
 
 
 def test_pickle_bomb_is_not_executed():
@@ -101,7 +101,7 @@ def test_pickle_bomb_is_not_executed():
 
     frame = Codec(allow_pickle=True).encode(MSG, "t", 0, 0, 0, Bomb()).to_bytes()
     with pytest.raises(ProtocolError):
-        Codec().decode(frame)
+        Codec().decode_frame(frame)
 
 
 def good_frame():
@@ -119,28 +119,28 @@ def good_frame():
 ], ids=["tiny", "trunc-header", "overrun", "trunc-buffer", "bad-msgpack", "zeros", "wrong-shape"])
 def test_malformed_frames_raise_protocol_error(mutate):
     with pytest.raises(ProtocolError):
-        Codec().decode(mutate(bytes(good_frame())))
+        Codec().decode_frame(mutate(bytes(good_frame())))
 
 
 def test_oversized_frame_is_refused():
     with pytest.raises(ProtocolError, match="max_frame_bytes"):
-        Codec(max_frame_bytes=100).decode(good_frame())
+        Codec(max_frame_bytes=100).decode_frame(good_frame())
 
 
 def test_object_dtype_from_network_is_refused():
     codec = Codec()
     tree = msgpack.packb(msgpack.ExtType(2, msgpack.packb(["|O", [1], 0])))
-    head = msgpack.packb([1, MSG, "t", 0, 0, 0, tree, [8]], use_bin_type=True)
+    head = msgpack.packb([VERSION, MSG, "t", 0, 0, 0, tree, [8], None], use_bin_type=True)
     frame = struct.pack("<I", len(head)) + head + b"\x00" * (64 - 4 - len(head)) + b"\x01" * 8
     with pytest.raises(ProtocolError, match="object"):
-        codec.decode(frame)
+        codec.decode_frame(frame)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.binary(max_size=300))
 def test_random_bytes_never_crash_the_decoder(data):
     try:
-        Codec().decode(data)
+        Codec().decode_frame(data)
     except ProtocolError:
         pass
 
@@ -152,7 +152,7 @@ def test_corrupted_valid_frames_never_crash(pos, junk):
     pos = pos % len(frame)
     frame[pos:pos + len(junk)] = junk
     try:
-        Codec().decode(bytes(frame))
+        Codec().decode_frame(bytes(frame))
     except ProtocolError:
         pass
 

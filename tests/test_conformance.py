@@ -18,6 +18,8 @@ pytestmark = pytest.mark.timeout(120)
 BACKENDS = [
     pytest.param(("nng", "tcp"), id="nng-tcp"),
     pytest.param(("nng", "ipc"), id="nng-ipc"),
+    pytest.param(("nng", "auto"), id="nng-shm"),
+    pytest.param(("inproc", "auto"), id="inproc"),
     pytest.param(("torchrpc:cpu", "auto"), id="torchrpc-cpu",
                  marks=pytest.mark.skipif(importlib.util.find_spec("mq.backends.torchrpc") is None,
                                           reason="torch RPC backend not built")),
@@ -64,7 +66,8 @@ def test_peers_by_label_and_routes(backend):
     assert res[0]["all"] == [1, 2] and res[0]["collectors"] == [1, 2] and res[0]["learners"] == []
     assert res[1]["learners"] == [0] and res[1]["collectors"] == [2]
     mq_type, protocol = backend
-    expected = {"nng": {"tcp": "tcp", "ipc": "ipc"}.get(protocol)}.get(mq_type)
+    expected = {"nng": {"tcp": "tcp", "ipc": "ipc", "auto": "shm"}.get(protocol),
+                "inproc": "inproc", "torchrpc:cpu": "shm"}.get(mq_type)
     for node, r in res.items():
         assert set(r["routes"]) == set(r["all"]), r
         if expected:

@@ -67,8 +67,8 @@ class NngTransport(Transport):
         listen_to: this node's TCP address (``tcp://host:port``). Default: an ephemeral port on
             127.0.0.1 (peers on other hosts then cannot dial back: give a routable address).
         attach_to: addresses of peers to join. The peers dial back, so one side is enough.
-        protocol: ``auto`` (best route per peer), ``tcp`` or ``ipc`` (force one socket kind for
-            every peer except peers in this process; ``ipc`` still uses the shm data path).
+        protocol: ``auto`` (best route per peer: ``shm`` on the same host), ``tcp`` or ``ipc``
+            (force that socket for every peer except peers in this process, bytes included).
         send_buffer: frames buffered per outgoing pipe before ``send`` waits.
         init_method: ``tcp://host:port``, ``env://`` or ``file://path``: find peers through a
             rendezvous store instead of ``attach_to`` (needs ``world_size``).
@@ -89,6 +89,7 @@ class NngTransport(Transport):
         self.attach_to = [check_address(a, "attach_to address") for a in attach_to]
         self.protocol = protocol
         self.routes = frozenset({"inproc", "ipc", "tcp"} if protocol == "auto" else {"inproc", protocol})
+        self.shm_ok = protocol == "auto"  # a forced protocol means that socket, bytes included
         self.timeout = timeout
         self.rendezvous = Rendezvous(init_method, node_id, world_size, timeout=timeout) if init_method else None
         attach_targets(node_id, [], topology)  # validates the topology name early
