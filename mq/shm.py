@@ -54,7 +54,7 @@ log = logging.getLogger("mq.shm")
 _ffi = FFI()
 _MAGIC = b"mq-pool\x00"
 _HEADER = 64  # segment header; data starts here, 64-byte aligned
-_HEAD = struct.Struct("<8sQQ")  # magic, generation, state
+_HEAD = struct.Struct("<8sQQQ")  # magic, generation, state, segment id
 _LIVE, _RETIRED = 0, 1
 _NAME_PREFIX = "mq-pool-"
 _MIN_SEGMENT = 64 << 10
@@ -109,7 +109,7 @@ class _Segment:
         return not self.holders and not self.pinned
 
     def write_header(self, state: int = _LIVE) -> None:
-        _HEAD.pack_into(self.mm, 0, _MAGIC, self.gen, state)
+        _HEAD.pack_into(self.mm, 0, _MAGIC, self.gen, state, self.seg_id)
 
 
 class Pool:
@@ -437,10 +437,10 @@ class PoolReader:
             mm = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(mfd)
-        magic, _gen, _state = _HEAD.unpack_from(mm, 0)
-        if magic != _MAGIC:
+        magic, _gen, _state, real_id = _HEAD.unpack_from(mm, 0)
+        if magic != _MAGIC or real_id != seg_id:
             mm.close()
-            raise ProtocolError(f"segment {seg_id} of node {self.peer} has no mq header")
+            raise ProtocolError(f"fd {fd} of node {self.peer} is not its segment {seg_id}")
         m = self._maps[seg_id] = _Mapping(mm, size)
         self._unmap_retired()
         return m
@@ -462,7 +462,7 @@ class PoolReader:
             except OSError as exc:
                 raise ProtocolError(f"descriptor names segment {seg_id} (fd {fd}) of node "
                                     f"{self.peer}, which cannot be opened: {exc}") from None
-            _magic, live_gen, state = _HEAD.unpack_from(m.mm, 0)
+            _magic, live_gen, state, _id = _HEAD.unpack_from(m.mm, 0)
             if gen != live_gen or state != _LIVE:
                 raise ProtocolError(f"stale descriptor: segment {seg_id} is at generation "
                                     f"{live_gen}, the frame says {gen}")

@@ -136,7 +136,9 @@ class NngTransport(Transport):
         self._ipc_path = os.path.join(tempfile.gettempdir(), f"mq-{token}.sock")
         self.addresses["ipc"] = sock.listen(f"ipc://{self._ipc_path}").url
         self.addresses["inproc"] = sock.listen(f"inproc://mq-{token}").url
-        self._reader = threading.Thread(target=self._read_loop, daemon=True, name=f"mq{self.node_id}-nng-io")
+        # Read the fd here: a stop() racing the thread's start must not make it read a closed socket.
+        self._reader = threading.Thread(target=self._read_loop, args=(sock.recv_fd,), daemon=True,
+                                        name=f"mq{self.node_id}-nng-io")
         self._reader.start()
         targets = list(self.attach_to)
         if self.rendezvous is not None:
@@ -244,11 +246,11 @@ class NngTransport(Transport):
     # socket, delivering each before it lets go, so frames keep their order. A thread in recv()
     # reads for itself (no hand-off from another thread); the I/O thread reads only while nobody
     # is in recv(), so handlers, call replies and handshakes are still served.
-    def _read_loop(self) -> None:
+    def _read_loop(self, recv_fd: int) -> None:
         sock = self._inbox_sock
         assert sock is not None
         poller = select.poll()
-        poller.register(sock.recv_fd, select.POLLIN)
+        poller.register(recv_fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         msgp = ffi.new("nng_msg **")
         while self._state == "listening":

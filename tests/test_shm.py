@@ -1,0 +1,307 @@
+"""The shm data path: slots, release on drop, backpressure from held views, by-handle sends,
+hostile descriptors, and no leak when either side is SIGKILLed; with real processes."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import mq
+from mq.errors import ProtocolError
+from mq.shm import Pool, PoolReader, ReleaseQueue
+
+pytestmark = pytest.mark.timeout(90)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MB = 1 << 20
+
+
+def wait_until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# ---------------------------------------------------------------------- one process: pool + reader
+@pytest.fixture
+def pool():
+    p = Pool(max_bytes=8 * MB, inline_max=1024, label="test")
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def reader(pool):
+    releases = ReleaseQueue()
+    r = PoolReader(1, pool.probe_info(), lambda seg, gen: releases.put(1, seg, gen))
+    assert r.probe() is None
+    r.releases = releases
+    yield r
+    r.close()
+
+
+def test_view_is_zero_copy_and_dropping_it_releases_the_slot(pool, reader):
+    data = np.arange(MB, dtype=np.uint8)
+    desc = pool.place(data, [1], timeout=1)
+    view = reader.view(desc)
+    arr = np.frombuffer(view, np.uint8)
+    assert np.array_equal(arr, data)
+    assert reader.releases.take(0.05) == {}  # still referenced
+    del view, arr
+    released = reader.releases.take(1.0)
+    assert released == {1: [[desc[0], desc[2], 1]]}
+    assert pool.release(1, desc[0], desc[2], 1)
+    # The slot is free and warm: the next message of that size reuses it (no new segment).
+    segments = pool.stats["segments"]
+    desc2 = pool.place(data, [1], timeout=1)
+    assert desc2[0] == desc[0] and desc2[2] == desc[2] + 1
+    assert pool.stats["segments"] == segments
+
+
+def test_held_views_are_backpressure_then_timeout(pool, reader):
+    held = [reader.view(pool.place(np.ones(3 * MB, np.uint8), [1], timeout=1)) for _ in range(2)]
+    t0 = time.monotonic()
+    with pytest.raises(mq.Timeout, match="held by receivers"):
+        pool.place(np.ones(3 * MB, np.uint8), [1], timeout=0.3)
+    assert 0.25 <= time.monotonic() - t0 < 2.0
+    del held
+    for peer, items in reader.releases.take(1.0).items():
+        for seg, gen, n in items:
+            assert pool.release(peer, seg, gen, n)
+    pool.place(np.ones(3 * MB, np.uint8), [1], timeout=1)  # room again
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: [d[0] + 1000, d[1], d[2], d[3], d[4]], "not its segment"),
+    (lambda d: [d[0] + 1000, 0, d[2], d[3], d[4]], "not an mq pool|cannot be opened"),  # fd 0: not ours
+    (lambda d: [d[0], d[1], d[2] + 1, d[3], d[4]], "stale descriptor"),
+    (lambda d: [d[0], d[1], d[2], d[3] + 8 * MB, d[4]], "overruns"),
+    (lambda d: [d[0], d[1], d[2], -1, d[4]], "overruns"),
+    (lambda d: [d[0], d[1], d[2], 0, 1 << 40], "overruns"),
+    (lambda d: [d[0], d[1], d[2], d[3]], "malformed"),
+    (lambda d: [d[0], d[1], "x", d[3], d[4]], "malformed"),
+    (lambda d: {"seg": 1}, "malformed"),
+])
+def test_hostile_descriptors_are_protocol_errors(pool, reader, mutate, match):
+    desc = pool.place(np.ones(MB, np.uint8), [1], timeout=1)
+    with pytest.raises(ProtocolError, match=match):
+        reader.view(mutate(desc))
+    assert np.frombuffer(reader.view(desc), np.uint8).sum() == MB  # the reader still works
+
+
+def test_forged_and_stale_releases_change_nothing(pool):
+    desc = pool.place(np.ones(MB, np.uint8), [1], timeout=1)
+    assert not pool.release(2, desc[0], desc[2])       # not a holder
+    assert not pool.release(1, desc[0], desc[2] + 1)   # wrong generation
+    assert not pool.release(1, desc[0], desc[2], 5)    # more than it holds
+    assert not pool.release(1, "x", desc[2])
+    assert pool.stats["stale_releases"] == 4
+    assert pool.release(1, desc[0], desc[2])
+
+
+def test_alloc_sends_by_handle_and_guards_writes_until_released(pool, reader):
+    w = pool.alloc((256, 1024), np.float32)
+    w[:] = 1.5
+    desc = pool.place(w, [1], timeout=1)
+    assert pool.stats["by_handle"] == 1 and pool.stats["copied_bytes"] == 0
+    assert not w.flags.writeable  # shared with a receiver now
+    with pytest.raises(ValueError):
+        w[0, 0] = 2.0
+    view = np.frombuffer(reader.view(desc), np.float32)
+    assert view[0] == 1.5
+    with pytest.raises(mq.Timeout, match="still hold"):
+        pool.wait_released(w, timeout=0.2)
+    del view
+    for peer, items in reader.releases.take(1.0).items():
+        for seg, gen, n in items:
+            pool.release(peer, seg, gen, n)
+    pool.wait_released(w, timeout=1)
+    assert w.flags.writeable
+    w[0, 0] = 2.0
+
+
+def test_bad_pool_options_are_config_errors():
+    with pytest.raises(mq.ConfigError, match="shm_pool_bytes"):
+        mq.create("nng", 0, shm_pool_bytes=-1)
+    with pytest.raises(mq.ConfigError, match="shm_inline_max"):
+        mq.create("nng", 0, shm_inline_max="64k")
+    q = mq.create("nng", 0, shm=False)
+    with q:
+        with pytest.raises(mq.ConfigError, match="no shared-memory pool: turned off"):
+            q.alloc(4)
+
+
+# ---------------------------------------------------------------------- real processes
+def _spawn(node_id: int, address: str, mode: str, pre: list[str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([*(pre or []), sys.executable, "-m", "tests.jobs.shm_peer", str(node_id), address, mode],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _line(proc: subprocess.Popen, timeout: float = 30.0) -> str:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        proc.kill()
+        raise AssertionError(f"peer printed nothing in {timeout}s: {proc.stderr.read()[-2000:]}")
+    line = proc.stdout.readline().strip()
+    assert line, f"peer exited: {proc.stderr.read()[-2000:]}"
+    return line
+
+
+def _stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+        p.stdout.close()
+        p.stderr.close()
+
+
+def _pool_maps(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("memfd:mq-pool" in line for line in f)
+
+
+def _dev_shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture
+def learner():
+    q = mq.create("nng", 0, "learner", timeout=10, shm_pool_bytes=64 * MB)
+    with q:
+        yield q
+
+
+def test_a_receiver_hoarding_views_makes_the_sender_wait_then_time_out(learner):
+    peer = _spawn(1, learner.addresses["tcp"], "hoard")
+    try:
+        assert _line(peer) == "ready shm"
+        learner.wait_for_subscribers("data", 1, timeout=10)
+        assert learner.routes()[1].kind == "shm"
+        blob = np.ones(20 * MB, np.uint8)
+        sent = 0
+        with pytest.raises(mq.Timeout, match="shared-memory pool stayed full"):
+            for _ in range(10):  # 64 MiB pool: the fourth 20 MiB message finds no free slot
+                learner.send(1, "data", blob, timeout=1.0)
+                sent += 1
+        assert sent == 3
+        assert wait_until(lambda: learner.call(1, "count", timeout=5) == 3)
+        assert learner.call(1, "drop", timeout=5) == "dropped"
+        learner.send(1, "data", blob, timeout=5)  # the released slots are free again
+        assert wait_until(lambda: learner.call(1, "count", timeout=5) == 1)
+        assert learner.stats().shm["copied_bytes"] == 4 * 20 * MB
+    finally:
+        _stop(peer)
+
+
+def test_publish_to_same_host_subscribers_copies_once(learner):
+    peers = [_spawn(n, learner.addresses["tcp"], "hoard") for n in (1, 2)]
+    try:
+        for p in peers:
+            assert _line(p) == "ready shm"
+        learner.wait_for_subscribers("data", 2, timeout=10)
+        assert learner.publish("data", np.full(10 * MB, 3, np.uint8)) == [1, 2]
+        assert learner.stats().shm["placed"] == 1
+        assert learner.stats().shm["copied_bytes"] == 10 * MB
+        for n in (1, 2):
+            assert wait_until(lambda n=n: learner.call(n, "count", timeout=5) == 1)
+    finally:
+        _stop(*peers)
+
+
+def test_sigkilled_receiver_frees_its_slots_and_leaves_nothing(learner):
+    before = _dev_shm()
+    peer = _spawn(1, learner.addresses["tcp"], "hold")
+    try:
+        assert _line(peer) == "ready shm"
+        learner.wait_for_subscribers("data", 1, timeout=10)
+        learner.send(1, "data", np.full(40 * MB, 9, np.uint8))
+        assert _line(peer) == "got 9"
+        assert _pool_maps(peer.pid) >= 1
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.wait(10)
+        assert wait_until(lambda: 1 not in learner.peers())
+        # What the dead receiver held is free: the whole pool is usable again at once.
+        learner_pool = learner._pool
+        assert learner_pool is not None and wait_until(
+            lambda: all(s.free for s in learner_pool._segments.values() if s is not learner_pool._probe))
+    finally:
+        _stop(peer)
+    assert _dev_shm() == before
+
+
+def test_sigkilled_sender_leaves_no_mapping_once_views_are_dropped(learner):
+    before = _dev_shm()
+    learner.subscribe("data")
+    peer = _spawn(1, learner.addresses["tcp"], "send")
+    try:
+        assert _line(peer) == "ready shm"
+        msg = learner.recv(timeout=20)
+        assert msg.payload[0] == 7 and not msg.payload.flags.writeable
+        assert _line(peer) == "sent"
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.wait(10)
+        assert wait_until(lambda: 1 not in learner.peers())
+        assert msg.payload[-1] == 7  # a view outlives its sender: the mapping keeps it valid
+        assert _pool_maps(os.getpid()) >= 1
+        del msg
+        gc.collect()
+        own = len(learner._pool._segments) if learner._pool else 0
+        assert wait_until(lambda: _pool_maps(os.getpid()) <= own)
+    finally:
+        _stop(peer)
+    assert _dev_shm() == before
+
+
+def _unshare_works(*flags: str) -> bool:
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", *flags, "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_works("--mount"), reason="needs root and unshare(1)")
+def test_a_64_mib_dev_shm_does_not_limit_the_pool(learner):
+    # Docker's default: /dev/shm is a 64 MiB tmpfs. The pool is memfd, never in /dev/shm.
+    pre = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+           'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"', "sh"]
+    peer = _spawn(1, learner.addresses["tcp"], "hoard", pre=pre)
+    try:
+        assert _line(peer) == "ready shm"
+        learner.wait_for_subscribers("data", 1, timeout=10)
+        learner.send(1, "data", np.ones(48 * MB, np.uint8))  # over Docker's whole /dev/shm
+        learner.send(1, "data", np.ones(8 * MB, np.uint8))
+        assert wait_until(lambda: learner.call(1, "count", timeout=5) == 2)
+        assert learner.stats().shm["copied_bytes"] == 56 * MB
+    finally:
+        _stop(peer)
+
+
+@pytest.mark.skipif(not _unshare_works("--pid", "--fork", "--mount-proc"), reason="needs root and unshare(1)")
+def test_a_peer_that_cannot_open_the_pool_falls_back_to_a_socket_and_says_why(learner):
+    # In its own PID namespace with its own /proc, neither side can open the other's pool.
+    peer = _spawn(1, learner.addresses["tcp"], "hoard", pre=["unshare", "--pid", "--fork", "--mount-proc"])
+    try:
+        assert _line(peer).startswith("ready ")
+        learner.wait_for_subscribers("data", 1, timeout=10)
+        # A socket route (tcp here: --mount-proc also gives it its own mount namespace).
+        assert wait_until(lambda: learner.routes()[1].kind in ("ipc", "tcp"))
+        assert "not shm: cannot open node 1's shared memory" in learner.routes()[1].reason
+        learner.send(1, "data", np.ones(8 * MB, np.uint8))  # still delivered, over the socket
+        assert wait_until(lambda: learner.call(1, "count", timeout=5) == 1)
+        assert learner.stats().shm["placed"] == 0
+    finally:
+        _stop(peer)
