@@ -85,6 +85,24 @@ def _rdma(me: Locality) -> dict[str, Any]:
     }
 
 
+def _shm() -> dict[str, Any]:
+    """Can this process make a shared-memory pool, and could a same-host peer open it?"""
+    from mq.shm import Pool, PoolReader
+
+    try:
+        pool = Pool(max_bytes=1 << 20, label="doctor")
+    except OSError as exc:
+        return {"available": False, "why": f"cannot make a shared-memory pool here ({exc})"}
+    try:
+        why = PoolReader(0, pool.probe_info(), lambda *_: None).probe()
+    finally:
+        pool.close()
+    if why:
+        return {"available": False, "why": why}
+    return {"available": True, "why": "memfd pool; same-host peers open it through /proc/<pid>/fd "
+                                      "(same boot id, IPC and PID namespace); /dev/shm size does not matter"}
+
+
 def _route(route: Any) -> dict[str, Any]:
     return {"kind": route.kind, "gpu": route.gpu, "gpudirect": route.gpudirect, "reason": route.reason}
 
@@ -101,14 +119,17 @@ def sample_peers(me: Locality) -> dict[str, Locality]:
 def report(locality: Locality | None = None) -> dict[str, Any]:
     """Everything ``mq doctor`` prints, as one JSON-safe dict.
 
-    Keys: node, container, fork_safety, rdma, gpus, torch, tensorpipe, pynng, routes. Routes
+    Keys: node, container, fork_safety, rdma, gpus, torch, tensorpipe, pynng, shm, routes. Routes
     hold, per backend (``nng``, ``torchrpc``), the route to a sample local and remote peer.
     """
     me = local() if locality is None else locality
     peers = sample_peers(me)
+    shm = _section(_shm)
+    data_paths = {"shm"} if shm.get("available") else set()
     routes = {
         backend: {
-            where: _section(lambda peer=peer, supported=supported: _route(select_route(me, peer, supported=supported)))
+            where: _section(lambda peer=peer, supported=supported | data_paths:
+                            _route(select_route(me, peer, supported=supported)))
             for where, peer in peers.items()
         }
         for backend, supported in BACKEND_ROUTES.items()
@@ -128,6 +149,7 @@ def report(locality: Locality | None = None) -> dict[str, Any]:
         "torch": _section(_torch),
         "tensorpipe": _section(lambda: _tensorpipe(me, {1: peers["local"], 2: peers["remote"]})),
         "pynng": _section(_pynng),
+        "shm": shm,
         "routes": routes,
     }
 
@@ -224,6 +246,9 @@ def _render(rep: dict[str, Any]) -> None:
         table.add_row("  channels", ", ".join(tp["options"]["_channels"]))
     pn = rep["pynng"]
     table.add_row("pynng", pn.get("version") or "[red]missing[/red]")
+    sh = rep["shm"]
+    table.add_row("shm data path", ("available: " if sh.get("available") else "[yellow]unavailable[/yellow]: ")
+                  + str(sh.get("why") or sh.get("error")))
     console.print(table)
 
     table = Table(title="routes this node would take", title_justify="left", show_lines=True)

@@ -54,8 +54,8 @@ __all__ = [
 ROUTE_KINDS: tuple[str, ...] = ("inproc", "nvlink", "shm", "ipc", "rdma", "tcp")
 ALL_ROUTES: frozenset[str] = frozenset(ROUTE_KINDS)
 
-#: What each backend can carry. NNG has no shared-memory transport: where the table says shm,
-#: it falls back to a unix socket (``ipc``).
+#: What each transport carries by itself. The shm data path (:mod:`mq.shm`) adds ``shm`` to
+#: any of them where this node's pool works and the peer can open it; else NNG uses ``ipc``.
 BACKEND_ROUTES: Mapping[str, frozenset[str]] = {
     "nng": frozenset({"inproc", "ipc", "tcp"}),
     "torchrpc": ALL_ROUTES,
