@@ -297,13 +297,13 @@ class Codec:
         """One frame -> :class:`Envelope`; :class:`ProtocolError` if malformed.
 
         Args:
-            header: the msgpack envelope (bytes-like).
+            header: the msgpack envelope (bytes-like), or the list :func:`split` parsed.
             buffers: the inline buffers (memoryviews or tensors), one per ``sizes`` entry.
             resolve: turns a shm descriptor into a view (:meth:`mq.shm.PoolReader.view`); a
                 frame with descriptors and no resolver is malformed.
         """
         try:
-            head = msgpack.unpackb(header, raw=False, use_list=True, strict_map_key=False)
+            head = header if isinstance(header, list) else _unpack_head(header)
             version, kind, topic, sender, seq, corr, tree, sizes, descs = head
         except Exception as exc:
             raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
@@ -331,18 +331,22 @@ class Codec:
         return self.decode(*split(frame))
 
 
-def split(frame: Any) -> tuple[memoryview, list[memoryview]]:
-    """The contiguous layout (see the module docstring) -> (header, buffers) views, checked
-    against the frame's length; :class:`ProtocolError` if they overrun it."""
+def _unpack_head(header: Any) -> Any:
+    return msgpack.unpackb(header, raw=False, use_list=True, strict_map_key=False)
+
+
+def split(frame: Any) -> tuple[list[Any], list[memoryview]]:
+    """The contiguous layout (see the module docstring) -> (parsed header, buffer views), the
+    buffers checked against the frame's length; :class:`ProtocolError` if they overrun it."""
     view = memoryview(frame).cast("B")
     if len(view) < 4:
         raise ProtocolError(f"truncated frame of {len(view)} bytes")
     (hlen,) = _U32.unpack_from(view, 0)
     if 4 + hlen > len(view):
         raise ProtocolError(f"header of {hlen} bytes overruns a {len(view)}-byte frame")
-    header = view[4:4 + hlen]
     try:
-        sizes = msgpack.unpackb(header, raw=False, strict_map_key=False)[7]
+        head = _unpack_head(view[4:4 + hlen])
+        sizes = head[7]
     except Exception as exc:
         raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
     if not isinstance(sizes, list):
@@ -353,7 +357,7 @@ def split(frame: Any) -> tuple[memoryview, list[memoryview]]:
             raise ProtocolError(f"buffer of {n!r} bytes at offset {pos} overruns the {len(view)}-byte frame")
         buffers.append(view[pos:pos + n])
         pos = _align(pos + n)
-    return header, buffers
+    return head, buffers
 
 
 def check_envelope(version: Any, kind: Any, topic: Any, sender: Any, corr: Any, tree: Any,

@@ -55,7 +55,7 @@ def test_run_starts_workers_with_ids_labels_and_routes():
                "--labels", "collector", "--labels", "collector")
     assert r.returncode == 0, r.stderr
     lines = sorted(r.stdout.splitlines())
-    assert lines[0].startswith("node 0 labels ['learner'] peers [1, 2] routes ['ipc']"), lines
+    assert lines[0].startswith("node 0 labels ['learner'] peers [1, 2] routes ['shm']"), lines
     assert lines[1].startswith("node 1 labels ['collector'] peers [0, 2]"), lines
 
 

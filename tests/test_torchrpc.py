@@ -223,12 +223,12 @@ def test_torchrpc_cuda_without_gpu_is_a_config_error():
     ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "local_cuda_devices": [0, 0]}, "twice"),
 ])
 def test_bad_options_are_config_errors(options, match):
-    from mq.backends.torchrpc import TorchRpcMQ
+    from mq.backends.torchrpc import TorchRpcTransport
 
     options = dict(options)
     node_id = options.pop("node_id", 0)
     with pytest.raises(mq.ConfigError, match=match):
-        TorchRpcMQ(node_id, **options)
+        TorchRpcTransport(node_id, **options)
 
 
 # ---------------------------------------------------------------------- GPUs
