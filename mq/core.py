@@ -33,9 +33,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
+from mq import auth as _auth
 from mq import shm as _shm
-from mq.codec import (BYE, HELLO, HELLO_ACK, LINK, MSG, RELEASE, REP_ERR, REP_OK, REQ, SUBS,
-                      Codec, Envelope, Frame)
+from mq.codec import (BYE, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELEASE, REP_ERR, REP_OK,
+                      REQ, SUBS, Codec, Envelope, Frame)
 from mq.errors import ClosedError, ConfigError, EncodeError, MQError, PeerLost, ProtocolError, RemoteError, Timeout
 from mq.locality import Locality, local
 from mq.routing import Route, select_route
@@ -44,6 +45,12 @@ from mq.transport import Receipt, Transport
 log = logging.getLogger("mq")
 
 DEFAULT_TIMEOUT_S = 30.0
+# Joins in progress (HELLO answered, LINK not yet) kept at once; the oldest go first.
+_MAX_PENDING = 64
+# Frames these kinds carry are counted both ways; receipts (PING "rx") acknowledge them.
+_COUNTED = frozenset({MSG, REQ, REP_OK, REP_ERR})
+# Frames accepted from a link that has not proven membership yet: the handshake itself.
+_HANDSHAKE = frozenset({HELLO, HELLO_ACK, LINK})
 # Longer waits are capped: threading refuses timeouts past ~292 years (OverflowError).
 _MAX_TIMEOUT_S = 365 * 86400.0
 
@@ -69,6 +76,12 @@ class Peer:
     lost: str | None = None  # why the peer is gone (None while it is alive)
     reader: _shm.PoolReader | None = None  # its pool, opened here (we receive by descriptor)
     shm_out: bool = False  # it opened our pool: we may send it descriptors
+    max_frame_bytes: int | None = None  # the largest frame it accepts (from its HELLO)
+    tx: int = 0  # counted frames sent to it
+    rx: int = 0  # counted frames received from it
+    acked: int = 0  # how many of ours it confirmed (receipts)
+    last_seen: float = field(default_factory=time.monotonic)
+    last_sent: float = 0.0
 
 
 @dataclass
@@ -80,6 +93,7 @@ class Stats:
     dropped_malformed: int = 0
     dropped_oversized: int = 0
     dropped_unexpected_reply: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # refused joins and frames, by cause
     shm: dict[str, int] = field(default_factory=dict)  # the pool's counters (placed, by_handle...)
 
 
@@ -100,6 +114,15 @@ class MQ:
         shm_pool_bytes: bound of this node's pool (default: a quarter of RAM, at most 4 GiB);
             receivers holding every slot make senders wait (backpressure).
         shm_inline_max: buffers smaller than this stay inline in the frame (default 64 KiB).
+        queue_bytes: bound in bytes of each receive queue (messages of 64 KiB and more count;
+            smaller ones are bounded by ``queue_size``); a full queue is backpressure.
+        secret: the job secret peers must prove they know (default: ``MQ_SECRET``, else a
+            per-user file; see :mod:`mq.auth`).
+        insecure: turn authentication off: any process that reaches this node may join.
+        heartbeat: seconds between liveness probes of each peer.
+        peer_timeout: a peer silent this long is lost (its host crashed or the network broke):
+            blocked senders and callers get :class:`~mq.errors.PeerLost`. Detection takes at most
+            ``peer_timeout + heartbeat`` seconds (4 s by default).
     """
 
     def __init__(self, node_id: int, labels: Iterable[str] | str | None = None, *,
@@ -107,15 +130,25 @@ class MQ:
                  allow_pickle: bool = False, handler_threads: int = 4, codec: Codec | None = None,
                  max_frame_bytes: int = 4 << 30, shm: bool = True,
                  shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES,
-                 shm_inline_max: int = _shm.DEFAULT_INLINE_MAX, mq_type: str | None = None):
+                 shm_inline_max: int = _shm.DEFAULT_INLINE_MAX, queue_bytes: int = 256 << 20,
+                 secret: str | bytes | None = None, insecure: bool = False,
+                 heartbeat: float = 1.0, peer_timeout: float = 3.0, mq_type: str | None = None):
         if not isinstance(node_id, int) or isinstance(node_id, bool) or node_id < 0:
             raise ConfigError(f"node_id must be a non-negative int, got {node_id!r}")
         if not isinstance(queue_size, int) or queue_size < 1:
             raise ConfigError(f"queue_size must be an int >= 1, got {queue_size!r}")
         if timeout is None or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if not isinstance(max_frame_bytes, int) or max_frame_bytes < 1:
-            raise ConfigError(f"max_frame_bytes must be an int >= 1, got {max_frame_bytes!r}")
+        for name, value in (("max_frame_bytes", max_frame_bytes), ("queue_bytes", queue_bytes),
+                            ("handler_threads", handler_threads)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        for name, value in (("heartbeat", heartbeat), ("peer_timeout", peer_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 3600:
+                raise ConfigError(f"{name} must be a number of seconds in (0, 3600), got {value!r}")
+        if labels is not None and not isinstance(labels, str) and not (
+                hasattr(labels, "__iter__") and all(isinstance(x, str) for x in labels)):
+            raise ConfigError(f"labels must be a str or an iterable of str (e.g. {{'learner'}}), got {labels!r}")
         self.node_id = node_id
         self.labels = frozenset([labels] if isinstance(labels, str) else (labels or ()))
         self.timeout = float(timeout)
@@ -128,6 +161,15 @@ class MQ:
         self.codec.max_frame_bytes = max_frame_bytes
         self.locality: Locality = local()
         self.incarnation = uuid.uuid4().hex
+        self._secret = _auth.resolve_secret(secret, insecure)
+        self.heartbeat = float(heartbeat)
+        self.peer_timeout = float(peer_timeout)
+        self._links: dict[Any, int] = {}  # authenticated link -> its peer's node id
+        self._greetings: dict[str, tuple[bytes, Any, float]] = {}  # token -> (our nonce, target, when)
+        self._pending: dict[tuple[int, str], tuple[bytes, Peer, float]] = {}  # joins awaiting LINK
+        self._last_reject_log = 0.0
+        self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
+        self._beat: threading.Thread | None = None
         self._shm_options = (shm_pool_bytes, shm_inline_max)
         _shm.Pool.check_options(shm_pool_bytes, shm_inline_max)
         self._shm_wanted = bool(shm)
@@ -135,8 +177,8 @@ class MQ:
         self.shm_unavailable: str | None = None if shm else "turned off (shm=False)"
         self._releases = _shm.ReleaseQueue()
         self._releaser: threading.Thread | None = None
-        self._inbox: BoundedQueue = BoundedQueue(queue_size)
-        self._handler_queue: BoundedQueue = BoundedQueue(queue_size)
+        self._inbox: BoundedQueue = BoundedQueue(queue_size, queue_bytes)
+        self._handler_queue: BoundedQueue = BoundedQueue(queue_size, queue_bytes)
         self._subscriptions: dict[str, Callable[[Message], Any] | None] = {}
         self._servers: dict[str, Callable[[Any], Any]] = {}
         self._peers: dict[int, Peer] = {}
@@ -166,10 +208,12 @@ class MQ:
         self._dispatcher.start()
         try:
             self._open_pool()
-            targets = list(self.transport.start(self))
-            for target in targets:
-                token = uuid.uuid4().hex
-                self.transport.greet(target, self._encode(HELLO, "", self._hello_payload(token)), token)
+            self._targets = list(self.transport.start(self))
+            for target in self._targets:
+                self._greet(target)
+            self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                          name=f"mq{self.node_id}-heartbeat")
+            self._beat.start()
         except BaseException:
             self.stop(timeout=2.0)
             raise
@@ -226,7 +270,8 @@ class MQ:
             with self._lock:
                 self._calls[corr] = (peer, fut)
             try:
-                self._send_raw(peer, self._encode(BYE, "", None, corr),
+                rx = self._peers[peer].rx
+                self._send_raw(peer, self._encode(BYE, "", {"rx": rx}, corr),
                                max(0.0, min(1.0, deadline - time.monotonic())))
                 waiting.append((corr, fut))
             except Exception as exc:  # a dead peer must not delay our stop
@@ -457,11 +502,14 @@ class MQ:
                 raise Timeout(f"no message within {timeout:g}s")
             # Read the transport in this thread when it can: no hand-off from an I/O thread,
             # which is a large part of a small message's latency.
-            if not self.transport.read_in_caller(left):
+            if not self.transport.read_in_caller(left, self._inbox_ready):
                 try:
                     return self._inbox.get(timeout=left)
                 except queue.Empty:
                     raise Timeout(f"no message within {timeout:g}s") from None
+
+    def _inbox_ready(self) -> bool:
+        return not self._inbox.empty()
 
     # ------------------------------------------------------------------ peers
     def peers(self, label: str | None = None) -> list[int]:
@@ -503,7 +551,10 @@ class MQ:
         return self._stats
 
     # ------------------------------------------------------------------ joining
-    def _hello_payload(self, token: str) -> dict[str, Any]:
+    # The handshake (see mq.auth): HELLO carries a fresh nonce; HELLO_ACK answers with the
+    # responder's nonce and its proof; LINK carries the initiator's proof. A node becomes a peer
+    # only once its proof checked out, and from then on only frames on its own link count.
+    def _hello_payload(self, token: str, nonce: bytes) -> dict[str, Any]:
         return {
             "node_id": self.node_id,
             "labels": sorted(self.labels),
@@ -512,43 +563,157 @@ class MQ:
             "locality": self.locality.to_dict(),
             "incarnation": self.incarnation,
             "token": token,
+            "nonce": nonce,
             "mq_type": self.mq_type,
+            "max_frame_bytes": self.max_frame_bytes,
             "shm": self._pool.probe_info() if self._pool is not None else None,
         }
 
-    def _on_hello(self, env: Envelope) -> None:
+    def _greet(self, target: Any) -> None:
+        token, nonce = uuid.uuid4().hex, _auth.nonce()
+        with self._lock:
+            self._greetings[token] = (nonce, target, time.monotonic())
+        self.transport.greet(target, self._encode(HELLO, "", self._hello_payload(token, nonce)), token)
+
+    def _check_info(self, env: Envelope) -> dict[str, Any]:
         info = env.payload
-        if not isinstance(info, dict) or not isinstance(info.get("node_id"), int) or isinstance(info["node_id"], bool):
-            raise ProtocolError(f"malformed HELLO from node {env.sender}")
+        if not (isinstance(info, dict) and type(info.get("node_id")) is int and info["node_id"] >= 0
+                and isinstance(info.get("incarnation"), str) and isinstance(info.get("nonce"), bytes)
+                and info["node_id"] == env.sender):
+            raise ProtocolError(f"malformed {KIND_NAMES[env.kind]} claiming node {env.sender!r}")
+        return info
+
+    def _on_hello(self, env: Envelope, link: Any) -> None:
+        """A node wants to join: answer with our nonce and proof; it is not a peer yet."""
+        info = self._check_info(env)
         peer_id = info["node_id"]
         if peer_id == self.node_id:
-            if info.get("incarnation") != self.incarnation:
-                log.error("node %d: another process uses the same node id (addresses %s); "
-                          "give every node a unique node id", self.node_id, info.get("addresses"))
+            if info["incarnation"] != self.incarnation:
+                self._reject("duplicate_id", f"another process uses this node's id {peer_id} "
+                             f"(addresses {info.get('addresses')}): give every node a unique node id")
             return
-        if info.get("mq_type") not in (None, self.mq_type):
-            log.warning("node %d: node %d runs %s, this node %s: GPU tensors may take a different "
-                        "path each way", self.node_id, peer_id, info.get("mq_type"), self.mq_type)
+        taken = self._taken(peer_id, info)
+        nonce = _auth.nonce()
+        ack = self._hello_payload(info.get("token", ""), nonce)
+        if self._secret is not None:
+            ack["proof"] = self._secret.proof("ack", nonce, info["nonce"], self.node_id, peer_id,
+                                              self.incarnation)
+        if taken:
+            return  # never touch the live node's link; the newcomer's joins time out, named
+        peer = self._new_peer(info)
+        ack["read_ok"] = peer.reader is not None
+        with self._lock:
+            if len(self._pending) >= _MAX_PENDING:  # a join flood must not grow without bound
+                self._drop_pending(next(iter(self._pending)), "too many joins in progress")
+            self._pending[(peer_id, info["incarnation"])] = (nonce, peer, time.monotonic())
+        try:
+            self.transport.connect(peer_id, info, peer.route)
+            self._send_raw(peer_id, self._encode(HELLO_ACK, "", ack), min(self.timeout, 5.0))
+        except (MQError, OSError) as exc:
+            log.debug("node %d: could not answer the HELLO of node %d: %s", self.node_id, peer_id, exc)
+
+    def _drop_pending(self, key: tuple[int, str], why: str) -> None:
+        """Forget a join that never completed (called with the lock held)."""
+        entry = self._pending.pop(key, None)
+        if entry is None:
+            return
+        if entry[1].reader is not None:
+            entry[1].reader.close()
+        live = self._peers.get(key[0])
+        if live is None or live.lost:  # nobody else uses that id's link: close it
+            threading.Thread(target=self.transport.disconnect, args=(key[0],), daemon=True).start()
+        self._reject("join_incomplete", f"node {key[0]} did not finish joining: {why}")
+
+    def _taken(self, peer_id: int, info: dict[str, Any]) -> str | None:
+        """Why a HELLO for ``peer_id`` must be refused: its id belongs to a live process."""
         old = self._peers.get(peer_id)
-        same = old is not None and not old.lost and old.info.get("incarnation") == info.get("incarnation")
-        # Both sides may greet each other (torch RPC does): a second HELLO or ACK of the same
-        # incarnation reuses the link and only carries its pool verdict.
+        if old is None or old.lost or old.info.get("incarnation") == info["incarnation"]:
+            return None
+        msg = (f"node id {peer_id} is taken by a live process (node {self.node_id} sees it at "
+               f"{old.info.get('addresses')}): give every node a unique node id")
+        self._reject("duplicate_id", msg)
+        return msg
+
+    def _on_ack(self, env: Envelope, link: Any) -> None:
+        """Our HELLO was answered: check the proof, then the responder is a peer."""
+        info = self._check_info(env)
+        peer_id = info["node_id"]
+        with self._lock:
+            greeting = self._greetings.get(info.get("token"))
+        if greeting is None:
+            self._reject("unsolicited_ack", f"a HELLO_ACK claiming node {peer_id} answers no HELLO of ours")
+            return
+        if info.get("error"):
+            self._reject("refused", f"node {peer_id} refused us: {info['error']}")
+            log.error("node %d: %s", self.node_id, info["error"])
+            return
+        mine = greeting[0]
+        if self._secret is not None and not self._secret.check(
+                info.get("proof"), "ack", info["nonce"], mine, peer_id, self.node_id, info["incarnation"]):
+            self._reject("bad_proof", f"a HELLO_ACK claiming node {peer_id} failed authentication "
+                         "(wrong job secret, or not a member of this job)")
+            return
+        with self._lock:
+            self._greetings.pop(info.get("token"), None)
+        old = self._peers.get(peer_id)
+        same = old is not None and not old.lost and old.info.get("incarnation") == info["incarnation"]
+        if not same and self._taken(peer_id, info):
+            return
         peer = old if same else self._new_peer(info)
+        self._bind(link, peer_id)
         if not same:
             self.transport.connect(peer_id, info, peer.route)
             self._peer_joined(peer)
-        read_ok = peer.reader is not None
-        if env.kind == HELLO:
-            ack = self._hello_payload(info.get("token", ""))
-            ack["read_ok"] = read_ok
-            self._send_or_log(peer_id, HELLO_ACK, ack)
-        else:
-            self._on_link(peer_id, info.get("read_ok"))
-            self._send_or_log(peer_id, LINK, {"read_ok": read_ok})
+        self._on_link_verdict(peer_id, info.get("read_ok"))
+        link_msg: dict[str, Any] = {"node_id": self.node_id, "incarnation": self.incarnation,
+                                    "read_ok": peer.reader is not None}
+        if self._secret is not None:
+            link_msg["proof"] = self._secret.proof("link", mine, info["nonce"], self.node_id, peer_id,
+                                                   self.incarnation)
+        self._send_or_log(peer_id, LINK, link_msg)
+
+    def _on_link(self, env: Envelope, link: Any) -> None:
+        """The initiator's proof: it joins as a peer (or, if it already has, a verdict update)."""
+        msg = env.payload
+        if not (isinstance(msg, dict) and msg.get("node_id") == env.sender
+                and isinstance(msg.get("incarnation"), str)):
+            raise ProtocolError(f"malformed LINK claiming node {env.sender!r}")
+        peer_id = env.sender
+        with self._lock:
+            entry = self._pending.get((peer_id, msg["incarnation"]))
+        if entry is None:
+            if self._links.get(link) == peer_id:  # a second handshake on a live link
+                self._on_link_verdict(peer_id, msg.get("read_ok"))
+            else:
+                self._reject("unsolicited_link", f"a LINK claiming node {peer_id} answers no join in progress")
+            return
+        mine, peer, _t = entry
+        if self._secret is not None and not self._secret.check(
+                msg.get("proof"), "link", peer.info["nonce"], mine, peer_id, self.node_id, msg["incarnation"]):
+            self._reject("bad_proof", f"a LINK claiming node {peer_id} failed authentication "
+                         "(wrong job secret, or not a member of this job)")
+            return
+        with self._lock:
+            self._pending.pop((peer_id, msg["incarnation"]), None)
+        if self._taken(peer_id, peer.info):
+            return
+        self._bind(link, peer_id)
+        self.transport.connect(peer_id, peer.info, peer.route)
+        old = self._peers.get(peer_id)
+        if old is None or old.lost or old.info.get("incarnation") != peer.info.get("incarnation"):
+            self._peer_joined(peer)
+        self._on_link_verdict(peer_id, msg.get("read_ok"))
+
+    def _bind(self, link: Any, peer_id: int) -> None:
+        with self._lock:
+            self._links[link] = peer_id
 
     def _new_peer(self, info: dict[str, Any]) -> Peer:
         peer_id = info["node_id"]
-        remote = Locality.from_dict(info.get("locality") or {})
+        try:
+            remote = Locality.from_dict(info.get("locality") or {})
+        except Exception as exc:
+            raise ProtocolError(f"node {peer_id} sent a malformed locality: {exc}") from None
         same_process = remote.pid == self.locality.pid and remote.boot_id == self.locality.boot_id
         supported = set(self.transport.routes)
         reader, why_not = None, None
@@ -578,11 +743,13 @@ class MQ:
         if route.kind != "shm" and reader is not None:
             reader.close()
             reader = None
+        limit = info.get("max_frame_bytes")
         return Peer(peer_id, frozenset(str(x) for x in info.get("labels") or ()),
                     frozenset(str(x) for x in info.get("subscriptions") or ()), route,
-                    info=info, reader=reader)
+                    info=info, reader=reader,
+                    max_frame_bytes=limit if type(limit) is int and limit > 0 else None)
 
-    def _on_link(self, peer_id: int, read_ok: Any) -> None:
+    def _on_link_verdict(self, peer_id: int, read_ok: Any) -> None:
         """The peer's verdict on our pool: descriptors go to it only if it could open it."""
         with self._peers_changed:
             peer = self._peers.get(peer_id)
@@ -590,9 +757,9 @@ class MQ:
                 return
             if read_ok is True:
                 peer.shm_out = True
-            else:  # we can read theirs but they cannot read ours: sockets both ways
-                fallback = self.transport.routes & {"ipc", "tcp"}
-                peer.route = replace(peer.route, kind="ipc" if "ipc" in fallback else "tcp",
+            elif "shm" not in self.transport.routes:  # it cannot read ours: sockets both ways
+                fallback = "ipc" if "ipc" in self.transport.routes else "tcp"
+                peer.route = replace(peer.route, kind=fallback,
                                      reason=f"{peer.route.reason}; not shm: node {peer_id} cannot "
                                             "open this node's shared memory")
             self._peers_changed.notify_all()
@@ -602,6 +769,16 @@ class MQ:
             self._send_raw(peer, self._encode(kind, "", payload), self.timeout)
         except MQError as exc:
             log.warning("node %d: could not answer the handshake of node %d: %s", self.node_id, peer, exc)
+
+    def _reject(self, cause: str, why: str) -> None:
+        """Count a refused frame or join, and log it (at most once a second)."""
+        self._stats.rejected[cause] = self._stats.rejected.get(cause, 0) + 1
+        now = time.monotonic()
+        if now - self._last_reject_log >= 1.0:
+            self._last_reject_log = now
+            log.warning("node %d: refused: %s (%d refused so far: %s)", self.node_id, why,
+                        sum(self._stats.rejected.values()), self._stats.rejected)
+
 
     def _releaser_for(self, peer: int) -> Callable[[int, int], None]:
         put = self._releases.put
@@ -620,17 +797,33 @@ class MQ:
                     log.debug("node %d: release to node %d: %s", self.node_id, peer, exc)
 
     # ------------------------------------------------------------------ events from the transport
-    def on_frame(self, header: Any, buffers: list[Any], peer: int | None = None) -> None:
-        """A frame arrived (the transport's I/O thread): decode and route it; a malformed one
-        is dropped and counted, never raised into the transport."""
+    def on_frame(self, header: Any, buffers: list[Any], link: Any) -> None:
+        """A frame arrived on ``link`` (the transport's I/O thread): decode and route it.
+        Only handshake frames are taken from a link that has not proven membership; a frame's
+        sender is its link's peer. A malformed or refused frame is dropped and counted."""
         try:
-            env = self.codec.decode(header, buffers, self._resolve)
-            if peer is not None and env.sender != peer:
-                raise ProtocolError(f"a frame on node {peer}'s link claims to come from node {env.sender}")
-            self._deliver(env)
+            env = self.codec.decode(header, buffers, self._resolve_for(link))
         except ProtocolError as exc:
+            self.on_dropped(str(exc))
+            return
+        except Exception:
             self._stats.dropped_malformed += 1
-            log.warning("node %d: dropped a malformed frame: %s", self.node_id, exc)
+            log.exception("node %d: error decoding a frame", self.node_id)
+            return
+        peer = self._links.get(link)
+        try:
+            if env.kind in _HANDSHAKE:
+                {HELLO: self._on_hello, HELLO_ACK: self._on_ack, LINK: self._on_link}[env.kind](env, link)
+            elif peer is None:
+                self._reject("unauthenticated", f"a {KIND_NAMES[env.kind]} frame claiming node "
+                             f"{env.sender} on a link that never proved membership")
+            elif env.sender != peer:
+                self._reject("spoofed_sender", f"a frame on node {peer}'s link claims to come from "
+                             f"node {env.sender}")
+            else:
+                self._deliver(env, sum(len(b) if not hasattr(b, "nbytes") else b.nbytes for b in buffers))
+        except ProtocolError as exc:
+            self.on_dropped(str(exc))
         except Exception:
             self._stats.dropped_malformed += 1
             log.exception("node %d: error handling a frame", self.node_id)
@@ -643,11 +836,15 @@ class MQ:
         self._stats.dropped_malformed += 1
         log.warning("node %d: dropped a malformed frame: %s", self.node_id, why)
 
-    def _resolve(self, sender: int, desc: Any) -> memoryview:
-        p = self._peers.get(sender)
-        if p is None or p.reader is None:
-            raise ProtocolError(f"node {sender} sent a shared-memory descriptor without a shm link")
-        return p.reader.view(desc)
+    def _resolve_for(self, link: Any) -> Callable[[int, Any], memoryview]:
+        def resolve(sender: int, desc: Any) -> memoryview:
+            # Descriptors only from the authenticated peer of this link, into its own pool.
+            p = self._peers.get(self._links.get(link, -1))
+            if p is None or p.node_id != sender or p.reader is None:
+                raise ProtocolError(f"a shared-memory descriptor claiming node {sender} on a link "
+                                    "without a shm route")
+            return p.reader.view(desc)
+        return resolve
 
     # ------------------------------------------------------------------ peer bookkeeping
     def _peer_joined(self, peer: Peer) -> None:
@@ -669,11 +866,26 @@ class MQ:
             peer = self._peers.get(node_id)
             if peer is None or peer.lost:
                 return
+            unacked = peer.tx - peer.acked
+            if unacked > 0:  # never counted as delivered: the sender learns it here
+                why = f"{why}; {unacked} frame(s) sent to it were never acknowledged"
             peer.lost = why
             self._peers_changed.notify_all()
+        with self._lock:
+            for link in [k for k, p in self._links.items() if p == node_id]:
+                del self._links[link]
         log.info("node %d: peer %d lost: %s", self.node_id, node_id, why)
         self._forget_pool_state(peer)
         self._fail_calls(lambda p: PeerLost(f"node {p} {why}") if p == node_id else None)
+        # Wake every sender blocked on its link now. Not from this thread: it may be the
+        # transport's own callback, which must not close its socket under itself.
+        threading.Thread(target=self._disconnect, args=(node_id,), daemon=True).start()
+
+    def _disconnect(self, node_id: int) -> None:
+        try:
+            self.transport.disconnect(node_id)
+        except Exception:
+            log.debug("node %d: disconnect from node %d", self.node_id, node_id, exc_info=True)
 
     def _forget_pool_state(self, peer: Peer) -> None:
         if self._pool is not None:
@@ -681,17 +893,23 @@ class MQ:
         if peer.reader is not None:
             peer.reader.close()
 
-    def _deliver(self, env: Envelope) -> None:
-        """Route one decoded frame. Runs on the transport's I/O thread: never runs user code."""
+    def _deliver(self, env: Envelope, nbytes: int = 0) -> None:
+        """Route one decoded frame of an authenticated peer. Runs on the transport's I/O
+        thread: never runs user code."""
         self._stats.received += 1
+        peer = self._peers.get(env.sender)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+            if env.kind in _COUNTED:
+                peer.rx += 1
         if env.kind == MSG:
             msg = Message(env.topic, env.payload, env.sender)
             with self._lock:
                 fn = self._subscriptions.get(env.topic)
             if fn is not None:
-                self._put_blocking(self._handler_queue, (fn, msg))
+                self._put_blocking(self._handler_queue, (fn, msg), nbytes)
             else:
-                self._put_blocking(self._inbox, msg)
+                self._put_blocking(self._inbox, msg, nbytes)
         elif env.kind == REQ:
             self._handler_slots.acquire()  # bounds queued calls; released when served
             try:
@@ -713,16 +931,83 @@ class MQ:
                 for item in env.payload:
                     if isinstance(item, list) and len(item) == 3:
                         self._pool.release(env.sender, *item)
-        elif env.kind in (HELLO, HELLO_ACK):
-            self._on_hello(env)
-        elif env.kind == LINK:
-            self._on_link(env.sender, env.payload.get("read_ok") if isinstance(env.payload, dict) else None)
+        elif env.kind == PING:
+            self._on_ping(env)
         elif env.kind == BYE:
+            self._on_receipt(env.sender, env.payload)
             try:  # answer first: the peer waits for it before closing its links
                 self._send_raw(env.sender, self._encode(REP_OK, "", None, env.corr), 1.0)
             except Exception as exc:
                 log.debug("node %d: could not answer the farewell of node %d: %s", self.node_id, env.sender, exc)
             self._peer_lost(env.sender, "stopped (it called stop())")
+
+    def _on_ping(self, env: Envelope) -> None:
+        """A heartbeat: it carries the peer's receipt for our frames; answer a flush's ping."""
+        self._on_receipt(env.sender, env.payload)
+        if isinstance(env.payload, dict) and env.payload.get("want") is True:
+            self._ping(env.sender, want=False, timeout=1.0)
+
+    def _on_receipt(self, peer_id: int, payload: Any) -> None:
+        rx = payload.get("rx") if isinstance(payload, dict) else None
+        with self._peers_changed:
+            peer = self._peers.get(peer_id)
+            if peer is not None and type(rx) is int and peer.acked < rx <= peer.tx:
+                peer.acked = rx
+                self._peers_changed.notify_all()
+
+    def _ping(self, peer_id: int, *, want: bool, timeout: float) -> None:
+        p = self._peers.get(peer_id)
+        if p is None or p.lost:
+            return
+        try:
+            self._send_raw(peer_id, self._encode(PING, "", {"rx": p.rx, "want": want}), timeout)
+            p.last_sent = time.monotonic()
+        except MQError as exc:  # a full link: the data itself shows we are alive
+            log.debug("node %d: heartbeat to node %d: %s", self.node_id, peer_id, exc)
+
+    def _heartbeat_loop(self) -> None:
+        """Ping idle peers (a ping carries our receipt), declare silent peers lost, and forget
+        joins that never finished."""
+        while self._state == "listening":
+            time.sleep(min(self.heartbeat, 0.5))
+            now = time.monotonic()
+            for p in self._peer_list():
+                if p.lost:
+                    continue
+                if now - p.last_sent >= self.heartbeat:
+                    self._ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))
+                silent = now - p.last_seen
+                if silent > self.peer_timeout and now > self._stalled_until:
+                    self._peer_lost(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
+                                               "crashed or the network between us is down)")
+            with self._lock:
+                for key, (_n, _peer, t) in list(self._pending.items()):
+                    if now - t > self.timeout:
+                        self._drop_pending(key, f"no LINK within {self.timeout:g}s")
+                for token, (_n, _target, t) in list(self._greetings.items()):
+                    if now - t > max(self.timeout, 60.0):
+                        del self._greetings[token]
+
+    def flush(self, peer: int, timeout: float | None = None) -> None:
+        """Block until ``peer`` confirmed every message, call and reply sent to it so far.
+
+        Raises:
+            PeerLost: the peer died first; the message says how many frames it never confirmed.
+            Timeout: no confirmation within ``timeout`` seconds.
+        """
+        timeout = self._timeout(timeout)
+        self._wait_peer(peer, timeout)
+        p = self._peers[peer]
+        target = p.tx
+        self._ping(peer, want=True, timeout=timeout)
+
+        def done() -> bool:
+            if p.lost:
+                raise PeerLost(f"node {peer} {p.lost}")
+            return p.acked >= target
+
+        self._wait(done, timeout, lambda: f"node {peer} confirmed {p.acked} of {target} frames "
+                                          f"within {timeout:g}s")
 
     def _on_reply(self, env: Envelope) -> None:
         with self._lock:
@@ -777,10 +1062,12 @@ class MQ:
             except Exception:
                 log.exception("node %d: handler for %r raised", self.node_id, msg.topic)
 
-    def _put_blocking(self, q: "BoundedQueue", item: Any) -> None:
+    def _put_blocking(self, q: "BoundedQueue", item: Any, nbytes: int = 0) -> None:
         # Block the I/O thread while the queue is full: the transport stops reading and the
-        # sender feels backpressure. Wake up now and then to notice stop().
-        while not q.put(item, timeout=0.2):
+        # sender feels backpressure. Wake up now and then to notice stop(). While blocked we
+        # read nobody's heartbeats, so silence is nobody's fault: liveness waits.
+        while not q.put(item, 0.2, nbytes):
+            self._stalled_until = time.monotonic() + self.peer_timeout
             if self._state != "listening":
                 return
 
@@ -799,7 +1086,19 @@ class MQ:
             raise PeerLost(f"node {peer} is not a known peer of node {self.node_id}; known: {self.peers()}")
         if p.lost:
             raise PeerLost(f"node {peer} {p.lost}")
-        receipt = self.transport.send(peer, frame, timeout)
+        if p.max_frame_bytes is not None and frame.nbytes > p.max_frame_bytes:
+            raise ConfigError(f"a frame of {frame.nbytes} bytes exceeds node {peer}'s max_frame_bytes="
+                              f"{p.max_frame_bytes}: send smaller pieces, or raise max_frame_bytes on "
+                              f"node {peer}; nothing was sent")
+        try:
+            receipt = self.transport.send(peer, frame, timeout)
+        except (ClosedError, Timeout):
+            if p.lost:  # the link was torn down under us because the peer died
+                raise PeerLost(f"node {peer} {p.lost}") from None
+            raise
+        if frame.kind in _COUNTED:
+            p.tx += 1
+        p.last_sent = time.monotonic()
         self._stats.sent += 1
         return receipt
 
@@ -873,34 +1172,57 @@ def _on_cpu(buf: Any) -> bool:
 
 
 class BoundedQueue:
-    """A bounded FIFO for one producer (the I/O thread) and any consumers.
+    """A FIFO bounded in messages and in bytes, for one producer (the I/O thread) and any
+    consumers.
 
     queue.Queue pays for a Python-level Condition on every put and get; the hand-off between the
     I/O thread and ``recv()`` is on the small-message hot path, so items go through the C
-    SimpleQueue and only the capacity is counted with a semaphore.
+    SimpleQueue and only the capacity is counted with a semaphore. Bytes are counted (under a
+    lock) only for items of at least ``BIG`` bytes: smaller ones are bounded by the count.
     """
 
-    def __init__(self, capacity: int):
+    BIG = 64 << 10
+
+    def __init__(self, capacity: int, max_bytes: int = 1 << 62):
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._slots = threading.Semaphore(capacity)
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._bytes_cond = threading.Condition()
 
-    def put(self, item: Any, timeout: float) -> bool:
-        """Add ``item``; False if the queue stayed full for ``timeout`` seconds."""
+    def put(self, item: Any, timeout: float, nbytes: int = 0) -> bool:
+        """Add ``item``; False if the queue stayed full for ``timeout`` seconds. One item always
+        fits in an empty queue, whatever its size."""
+        if nbytes >= self.BIG:
+            with self._bytes_cond:
+                if not self._bytes_cond.wait_for(
+                        lambda: self._bytes == 0 or self._bytes + nbytes <= self._max_bytes, timeout):
+                    return False
+                self._bytes += nbytes
         if not self._slots.acquire(timeout=timeout):
+            self._unbytes(nbytes)
             return False
-        self._items.put(item)
+        self._items.put((item, nbytes))
         return True
 
     def get(self, timeout: float) -> Any:
         """Next item; raises queue.Empty after ``timeout`` seconds."""
-        item = self._items.get(timeout=timeout)
+        item, nbytes = self._items.get(timeout=timeout)
         self._slots.release()
+        self._unbytes(nbytes)
         return item
 
     def get_nowait(self) -> Any:
-        item = self._items.get_nowait()
+        item, nbytes = self._items.get_nowait()
         self._slots.release()
+        self._unbytes(nbytes)
         return item
+
+    def _unbytes(self, nbytes: int) -> None:
+        if nbytes >= self.BIG:
+            with self._bytes_cond:
+                self._bytes -= nbytes
+                self._bytes_cond.notify_all()
 
     def empty(self) -> bool:
         return self._items.empty()

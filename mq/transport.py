@@ -17,14 +17,17 @@ Contract (every method may be called from any thread unless it says otherwise):
 ``connect(peer, info, route)``
     Open the data link to a peer that said HELLO (``info`` is its HELLO payload, ``route`` the
     route core chose). Idempotent for the same peer incarnation. Symmetric: both sides call it.
+``disconnect(peer)``
+    Close the link to ``peer`` now (core lost it): a ``send`` blocked on it returns at once.
 ``send(peer, frame, timeout) -> receipt | None``
     Move one frame to ``peer``, in order after every frame sent to it before, or raise
     :class:`~mq.errors.Timeout` (nothing sent) / :class:`~mq.errors.PeerLost` within ``timeout``.
     Returns a ``receipt()`` callable when the frame still references the caller's memory; the
     caller calls it before returning to the user (it waits until the peer has the bytes).
-``read_in_caller(timeout) -> bool``
+``read_in_caller(timeout, ready) -> bool``
     Optional: receive and deliver at most one frame in the calling thread (``recv()`` uses it
-    to skip a thread hand-off). False when the transport cannot.
+    to skip a thread hand-off), returning at once when ``ready()`` says what the caller waits
+    for arrived meanwhile. False when the transport cannot.
 ``close(timeout)``
     Close every link within ``timeout`` seconds; never raises.
 
@@ -46,9 +49,10 @@ class Events(Protocol):
 
     max_frame_bytes: int
 
-    def on_frame(self, header: Any, buffers: list[Any], peer: int | None) -> None:
-        """A frame arrived. ``peer`` is the link's peer when the transport knows it (None on a
-        bootstrap link). Runs on the transport's I/O thread (or a ``read_in_caller`` caller)."""
+    def on_frame(self, header: Any, buffers: list[Any], link: Any) -> None:
+        """A frame arrived on ``link``: a hashable key naming the connection it came on (an NNG
+        pipe, an RPC rank), so core can tie frames to the peer that proved itself on that link.
+        Runs on the transport's I/O thread (or a ``read_in_caller`` caller)."""
 
     def on_link_lost(self, peer: int, why: str) -> None:
         """The link to ``peer`` broke (its process died, or it closed)."""
@@ -80,10 +84,13 @@ class Transport:
     def connect(self, peer: int, info: dict[str, Any], route: Route) -> None:
         raise NotImplementedError
 
+    def disconnect(self, peer: int) -> None:
+        raise NotImplementedError
+
     def send(self, peer: int, frame: Frame, timeout: float) -> Receipt | None:
         raise NotImplementedError
 
-    def read_in_caller(self, timeout: float) -> bool:
+    def read_in_caller(self, timeout: float, ready: Callable[[], bool]) -> bool:
         return False
 
     def close(self, timeout: float) -> None:

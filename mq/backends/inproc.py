@@ -74,7 +74,7 @@ class InprocTransport(Transport):
             time.sleep(0.01)
         if other is None:
             raise PeerLost(f"nothing listens on {target!r} in this process")
-        other._put(frame.to_bytes(), 30.0)
+        other._put(self.address, frame.to_bytes(), 30.0)
 
     def connect(self, peer: int, info: dict[str, Any], route: Route) -> None:
         with _REGISTRY_LOCK:
@@ -87,19 +87,22 @@ class InprocTransport(Transport):
         other = self._links.get(peer)
         if other is None or other._closed:
             raise PeerLost(f"node {peer} has no open link from node {self.node_id}")
-        other._put(frame.to_bytes(), timeout)
+        other._put(self.address, frame.to_bytes(), timeout)
         return None
 
-    def _put(self, data: bytearray, timeout: float) -> None:
+    def disconnect(self, peer: int) -> None:
+        self._links.pop(peer, None)
+
+    def _put(self, sender: str, data: bytearray, timeout: float) -> None:
         try:
-            self._inbox.put(data, timeout=timeout)
+            self._inbox.put((sender, data), timeout=timeout)
         except queue.Full:
             raise Timeout(f"node did not take the message within {timeout:g}s: its queue is full") from None
 
     def _loop(self) -> None:
         while not self._closed:
             try:
-                data = self._inbox.get(timeout=0.1)
+                sender, data = self._inbox.get(timeout=0.1)
             except queue.Empty:
                 continue
             assert self._node is not None
@@ -108,7 +111,7 @@ class InprocTransport(Transport):
             except ProtocolError as exc:
                 self._node.on_dropped(str(exc))
                 continue
-            self._node.on_frame(header, buffers, None)
+            self._node.on_frame(header, buffers, ("inproc", sender))
 
     def close(self, timeout: float) -> None:
         self._closed = True

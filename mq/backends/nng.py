@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pynng
 from pynng import ffi, lib
@@ -211,6 +211,13 @@ class NngTransport(Transport):
         if boot is not None:
             boot.close()
 
+    def disconnect(self, peer: int) -> None:
+        with self._net_lock:
+            sock = self._out.pop(peer, None)
+            self._out_incarnation.pop(peer, None)
+        if sock is not None:
+            sock.close()  # a send blocked on it returns (Closed) at once
+
     def _dial_peer(self, peer_id: int, address: str) -> pynng.Push0:
         sock = pynng.Push0(send_buffer_size=self.send_buffer)
 
@@ -276,7 +283,7 @@ class NngTransport(Transport):
                     if self._callers_reading:
                         break
 
-    def read_in_caller(self, timeout: float) -> bool:
+    def read_in_caller(self, timeout: float, ready: Callable[[], bool]) -> bool:
         sock = self._inbox_sock
         if sock is None or self._state != "listening":
             return False
@@ -286,6 +293,8 @@ class NngTransport(Transport):
             if not self._read_token.acquire(timeout=timeout):
                 return True
             try:
+                if ready():  # the I/O thread delivered what the caller waits for meanwhile
+                    return True
                 ms = max(1, int(timeout * 1000))
                 if ms != self._recv_timeout_ms:
                     check_err(lib.nng_socket_set_ms(sock.socket, b"recv-timeout", ms))
@@ -308,6 +317,7 @@ class NngTransport(Transport):
                 self._readers_changed.notify_all()
 
     def _handle_frame(self, msg: Any) -> None:
+        link = ("pipe", lib.nng_pipe_id(lib.nng_msg_get_pipe(msg)))
         frame = _msg_view(msg)
         assert self._node is not None
         try:
@@ -317,7 +327,7 @@ class NngTransport(Transport):
             return
         finally:
             del frame  # do not hold the last message while waiting for the next
-        self._node.on_frame(header, buffers, None)
+        self._node.on_frame(header, buffers, link)
 
 
 def _send_msg(sock: pynng.Socket, frame: Frame, *, block: bool) -> None:

@@ -676,6 +676,13 @@ class TorchRpcTransport(Transport):
             link.cond.notify_all()
         link.credit(consumed)
 
+    def disconnect(self, peer: int) -> None:
+        link = self._links.get(peer)
+        if link is not None:
+            with link.cond:  # blocked senders wake with PeerLost (the RPC group is static)
+                link.failed = link.failed or "was lost"
+                link.cond.notify_all()
+
     def _link_failed(self, link: _Link, exc: BaseException) -> None:
         with link.cond:
             if link.failed:
@@ -777,7 +784,7 @@ class TorchRpcTransport(Transport):
             except ProtocolError as exc:
                 self._node.on_dropped(f"from node {sender}: {exc}")
             else:
-                self._node.on_frame(head, views, sender)
+                self._node.on_frame(head, views, ("rank", sender))
             inbound = self._inbound[sender]
             with self._rx_cond:
                 inbound.consumed += 1
