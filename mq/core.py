@@ -663,14 +663,16 @@ class MQ:
         self._bind(link, peer_id)
         if not same:
             self.transport.connect(peer_id, info, peer.route)
-            self._peer_joined(peer)
-        self._on_link_verdict(peer_id, info.get("read_ok"))
         link_msg: dict[str, Any] = {"node_id": self.node_id, "incarnation": self.incarnation,
                                     "read_ok": peer.reader is not None}
         if self._secret is not None:
             link_msg["proof"] = self._secret.proof("link", mine, info["nonce"], self.node_id, peer_id,
                                                    self.incarnation)
-        self._send_or_log(peer_id, LINK, link_msg)
+        # LINK first: the peer takes no other frame of ours before it (links are FIFO).
+        self._send_raw(peer_id, self._encode(LINK, "", link_msg), self.timeout)
+        if not same:
+            self._peer_joined(peer)
+        self._on_link_verdict(peer_id, info.get("read_ok"))
 
     def _on_link(self, env: Envelope, link: Any) -> None:
         """The initiator's proof: it joins as a peer (or, if it already has, a verdict update)."""
