@@ -1,8 +1,8 @@
 """`mq bench`: the point-to-point latency table (see DESIGN.md, "Benchmarks").
 
-Thin: parses options into :class:`mq.bench.BenchConfig`, shows progress, prints or writes the
-:class:`mq.bench.Report`. The measuring lives in :mod:`mq.bench`, the second host in
-:mod:`mq.netns`.
+Thin: parses options into :class:`mq.tools.bench.BenchConfig`, shows progress, prints or writes the
+:class:`mq.tools.bench.Report`. The measuring lives in :mod:`mq.tools.bench`, the second host in
+:mod:`mq.tools.netns`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from mq import bench as lib
+from mq.tools import bench as lib
 from mq.errors import ConfigError
 
 __all__ = ["bench"]
@@ -102,7 +102,7 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], device: str, sizes
 
     hosts = ["same", "two"] if suite else (["two"] if two_hosts else ["same"])
     if two_hosts and not suite:
-        from mq.netns import unavailable
+        from mq.tools.netns import unavailable
 
         reason = unavailable()
         if reason:
@@ -156,7 +156,7 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], device: str, sizes
 
 # ------------------------------------------------------------------------------- progress
 class _progress:
-    """A rich progress display on stderr fed by mq.bench's progress events."""
+    """A rich progress display on stderr fed by mq.tools.bench's progress events."""
 
     def __init__(self, quiet: bool):
         self.quiet = quiet

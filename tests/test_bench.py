@@ -17,8 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from cli.bench import bench
-from mq import bench as lib
-from mq import netns
+from mq.tools import bench as lib
+from mq.tools import netns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_NETNS = netns.unavailable()

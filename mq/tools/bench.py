@@ -3,7 +3,7 @@
 What is measured: node A sends a tensor of ``size`` bytes to node B, B echoes it back
 (``recv`` then ``send``), and A times ``send`` -> ``recv`` with ``perf_counter_ns``. A and B are
 two processes started with the ``spawn`` method; with ``two_hosts`` B runs in its own network,
-PID and IPC namespaces joined to A by a veth pair (:mod:`mq.netns`).
+PID and IPC namespaces joined to A by a veth pair (:mod:`mq.tools.netns`).
 
 Every mq row has a baseline measured in the same run, interleaved with it batch by batch so
 machine noise hits both:
@@ -66,7 +66,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from mq.errors import ConfigError
 
-log = logging.getLogger("mq.bench")
+log = logging.getLogger("mq.tools.bench")
 
 __all__ = [
     "BenchConfig",
@@ -836,7 +836,7 @@ class _Runner:
         self.links: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.procs: list[_Proc] = []
-        self.two: Any = None  # mq.netns.TwoHosts while running two-hosts rows
+        self.two: Any = None  # mq.tools.netns.TwoHosts while running two-hosts rows
 
     # -------------------------------------------------------------- plan
     def plan(self) -> list[tuple[str, str, list[_Case]]]:
@@ -861,7 +861,7 @@ class _Runner:
 
     # -------------------------------------------------------------- run
     def run(self) -> None:
-        from mq.netns import signals_raise
+        from mq.tools.netns import signals_raise
 
         groups = self.plan()
         self.progress({"event": "start"})
@@ -891,7 +891,7 @@ class _Runner:
                 self._leave_two_hosts()
 
     def _enter_two_hosts(self) -> str | None:
-        from mq.netns import NetnsError, TwoHosts, unavailable
+        from mq.tools.netns import NetnsError, TwoHosts, unavailable
 
         reason = unavailable()
         if reason:
