@@ -20,10 +20,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90"],
-        "bench": ["matplotlib>=3.7"],
+        "bench": ["matplotlib>=3.7", "pyzmq>=25"],
         "gpu": ["nvidia-ml-py>=12"],
         "atari": ["gymnasium>=1.0", "ale-py>=0.12"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", "matplotlib>=3.7", "ruff"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", "matplotlib>=3.7", "pyzmq>=25", "ruff"],
     },
     entry_points={"console_scripts": ["mq=mq.cli.main:main"]},
 )
