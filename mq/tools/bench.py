@@ -49,12 +49,12 @@ from typing import Any, Callable, Sequence
 from mq.errors import ConfigError
 from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
     ROW_FIELDS, TARGETS, Report, _read, _targets, fmt_ms, fmt_ratio, machine_info, machine_line,
-    pivot, plot, row_label, to_csv, to_json, to_markdown, write_all,
+    pivot, plot, row_label, row_note, to_csv, to_json, to_markdown, write_all,
 )
 from mq.tools.bench_units import (  # noqa: F401
     DEFAULT_SIZES, GB, KB, MAX_SIZE, MB, format_size, parse_size, parse_sizes,
 )
-from mq.tools.bench_workers import CONNECT_TIMEOUT_S, _hard_timeout, _worker
+from mq.tools.bench_workers import CONNECT_TIMEOUT_S, MODES, _hard_timeout, _worker
 
 log = logging.getLogger("mq.tools.bench")
 
@@ -98,6 +98,10 @@ class BenchConfig:
     baselines: bool = True
     links: bool = True  # measure raw socket stream ceilings (loopback/unix, veth)
     link_seconds: float = 2.0
+    modes: Sequence[str] = ("roundtrip",)
+    subscribers: int = 4  # fan-out: N subscribers (and the same run with 1, for the ratio)
+    messages: int = 1000  # stream: messages per sample (one ack per burst)
+    mode_sizes: dict[str, Sequence[int]] = field(default_factory=dict)  # sizes per mode, if not `sizes`
 
     def validate(self) -> "BenchConfig":
         from mq.registry import check_mq_type
@@ -124,10 +128,26 @@ class BenchConfig:
             raise ConfigError("need 1 <= min_samples <= max_samples")
         if self.warmup < 1:
             raise ConfigError("warmup must be >= 1 (the first round trip of a size is never a sample)")
+        for m in self.modes:
+            if m not in MODES:
+                raise ConfigError(f"mode {m!r} is not one of {', '.join(MODES)}")
+        self.modes = list(dict.fromkeys(self.modes)) or ["roundtrip"]
+        if self.subscribers < 1 or self.messages < 1:
+            raise ConfigError("subscribers and messages must be >= 1")
+        for m, sizes in self.mode_sizes.items():
+            if m not in MODES or any(s < 1 or s > MAX_SIZE for s in sizes):
+                raise ConfigError(f"mode_sizes[{m!r}]: a mode with sizes between 1 byte and 2.5GB")
         return self
 
     def device_for(self, mq_type: str) -> str:
         return self.devices.get(mq_type, self.device)
+
+    def sizes_for(self, mode: str) -> list[int]:
+        return [int(s) for s in (self.mode_sizes.get(mode) or self.sizes)]
+
+    def all_sizes(self) -> list[int]:
+        """Every size some mode measures: the sizes of the physical-bound row."""
+        return sorted({s for m in self.modes for s in self.sizes_for(m)})
 
 
 
@@ -197,36 +217,48 @@ class _Proc:
 
 @dataclass(eq=False)
 class _Case:
-    """One row kind: an mq configuration or a raw baseline, with its worker pair."""
+    """One row kind: an mq configuration, a raw baseline or the memcpy bound, with its workers
+    (A, and one B per subscriber: none for the bound)."""
 
-    kind: str  # "mq" | "raw"
-    mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:rpc, raw:rpc-cuda
-    route: str  # requested: auto/tcp/ipc (mq), tcp/ipc (raw pynng), auto (rpc)
+    kind: str  # "mq" | "raw" | "bound"
+    mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:rpc, raw:rpc-cuda | memcpy
+    route: str  # requested: auto/tcp/ipc/handle (mq), tcp/ipc (raw sockets), auto (rpc), warm (bound)
     device: str
     hosts: str
+    mode: str = "roundtrip"  # see MODES; "bound" for the memcpy row
+    subscribers: int = 1  # B processes
     resolved_route: str | None = None
     baseline: "_Case | None" = None
     unavailable: str | None = None  # never started: why
     broken: str | None = None  # stopped working: why
     broken_at: int | None = None
     a: _Proc | None = None
-    b: _Proc | None = None
+    bs: list[_Proc] = field(default_factory=list)
     listen_info: dict[str, Any] = field(default_factory=dict)
     results: dict[int, "_SizeResult"] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         where = " (two hosts)" if self.hosts == "two" else ""
-        return f"{self.mq_type}/{self.route}{where}"
+        fan = f" x{self.subscribers}" if self.mode == "fanout" else ""
+        return f"{self.mq_type}/{self.route} {self.mode}{fan}{where}"
+
+    @property
+    def procs(self) -> list[_Proc]:
+        return [p for p in (self.a, *self.bs) if p is not None]
 
     @property
     def alive(self) -> bool:
         return self.unavailable is None and self.broken is None and self.a is not None
 
-    def spec(self, host: str) -> dict[str, Any]:
-        kind = "mq" if self.kind == "mq" else ("pynng" if self.mq_type == "raw:pynng" else "rpc")
+    def spec(self, host: str, messages: int) -> dict[str, Any]:
+        kind = {"mq": "mq", "bound": "bound"}.get(self.kind) or _RAW_KINDS[self.mq_type.split("-")[0]]
         return {"kind": kind, "mq_type": self.mq_type, "route": self.route, "device": self.device,
-                "host": host, "device_maps": self.mq_type == "raw:rpc-cuda"}
+                "host": host, "device_maps": self.mq_type == "raw:rpc-cuda", "mode": self.mode,
+                "subscribers": self.subscribers, "messages": messages}
+
+
+_RAW_KINDS = {"raw:pynng": "pynng", "raw:pyzmq": "zmq", "raw:rpc": "rpc"}
 
 
 @dataclass
@@ -283,6 +315,24 @@ def mq_type_unavailable(mq_type: str) -> str | None:
     return None
 
 
+def _pool_api_missing() -> str | None:
+    """Why the by-handle row cannot run: mq's shared-memory pool API (alloc / wait_released)."""
+    from mq.registry import backend_class
+
+    cls, _ = backend_class("nng")
+    if hasattr(cls, "alloc") and hasattr(cls, "wait_released"):
+        return None
+    return "mq has no shared-memory pool API"
+
+
+def _zmq_installed() -> bool:
+    return importlib.util.find_spec("zmq") is not None
+
+
+NNG_ONLY_MODES = ("fanout", "stream")  # mq's publish / many small sends; no torch RPC rows
+ZMQ_MODES = ("roundtrip", "oneway")  # modes with a raw pyzmq row
+
+
 class _Runner:
     def __init__(self, cfg: BenchConfig, progress: Progress | None):
         self.cfg = cfg
@@ -293,27 +343,44 @@ class _Runner:
         self.notes: list[str] = []
         self.procs: list[_Proc] = []
         self.two: Any = None  # mq.tools.netns.TwoHosts while running two-hosts rows
+        self.bound = _Case("bound", "memcpy", "warm", "cpu", "same", "bound", subscribers=0)
 
     # -------------------------------------------------------------- plan
     def plan(self) -> list[tuple[str, str, list[_Case]]]:
         """(hosts, group name, mq cases) in run order; raw cases are added per group later."""
         cfg = self.cfg
+        rpc_types = [t for t in ("torchrpc:cpu", "torchrpc:cuda") if t in cfg.mq_types]
+        nng_only = [m for m in cfg.modes if m in NNG_ONLY_MODES]
+        if rpc_types and nng_only:
+            self.notes.append(f"{' and '.join(nng_only)} measured for nng only (not {', '.join(rpc_types)})")
         groups = []
         for hosts in cfg.hosts:
-            if "nng" in cfg.mq_types:
-                cases = []
-                for route in cfg.routes:
-                    c = _Case("mq", "nng", route, cfg.device_for("nng"), hosts)
-                    if hosts == "two" and route == "ipc":
-                        c.unavailable = "ipc (a unix socket) does not cross hosts"
-                    cases.append(c)
-                groups.append((hosts, "pynng", cases))
-            for mq_type in ("torchrpc:cpu", "torchrpc:cuda"):
-                if mq_type in cfg.mq_types:
-                    c = _Case("mq", mq_type, "auto", cfg.device_for(mq_type), hosts)
+            for mode in cfg.modes:
+                if "nng" in cfg.mq_types:
+                    groups.append((hosts, "pynng", self._nng_cases(hosts, mode)))
+                for mq_type in rpc_types if mode not in NNG_ONLY_MODES else ():
+                    c = _Case("mq", mq_type, "auto", cfg.device_for(mq_type), hosts, mode)
                     c.unavailable = mq_type_unavailable(mq_type)
                     groups.append((hosts, mq_type, [c]))
         return groups
+
+    def _nng_cases(self, hosts: str, mode: str) -> list[_Case]:
+        cfg = self.cfg
+        cases = []
+        for route in cfg.routes:
+            c = _Case("mq", "nng", route, cfg.device_for("nng"), hosts, mode,
+                      subscribers=cfg.subscribers if mode == "fanout" else 1)
+            if hosts == "two" and route == "ipc":
+                c.unavailable = "ipc (a unix socket) does not cross hosts"
+            cases.append(c)
+            if mode == "fanout" and c.subscribers > 1:  # fan-out N is compared with fan-out 1
+                c.baseline = _Case("mq", "nng", route, c.device, hosts, mode, unavailable=c.unavailable)
+                cases.append(c.baseline)
+        if mode == "oneway" and hosts == "same":
+            c = _Case("mq", "nng", "handle", cfg.device_for("nng"), hosts, mode)
+            c.unavailable = mq_type_unavailable("nng") or _pool_api_missing()
+            cases.append(c)
+        return cases
 
     # -------------------------------------------------------------- run
     def run(self) -> None:
@@ -323,6 +390,7 @@ class _Runner:
         self.progress({"event": "start"})
         with signals_raise():
             try:
+                self._start_bound()
                 for hosts in self.cfg.hosts:
                     mine = [g for g in groups if g[0] == hosts]
                     if hosts == "two":
@@ -343,8 +411,16 @@ class _Runner:
                         if hosts == "two":
                             self._leave_two_hosts()
             finally:
+                self._stop_pairs([self.bound])
                 self._kill_all()
                 self._leave_two_hosts()
+
+    def _start_bound(self) -> None:
+        """The memcpy row: one worker for the whole run; it joins every group (see _run_size)
+        and measures each size once, interleaved with the first group that has that size."""
+        self.cases.append(self.bound)
+        self.progress({"event": "total", "add": len(self.cfg.all_sizes())})
+        self._start_pairs("same", [self.bound])
 
     def _enter_two_hosts(self) -> str | None:
         from mq.tools.netns import NetnsError, TwoHosts, unavailable
@@ -381,43 +457,45 @@ class _Runner:
 
     # -------------------------------------------------------------- pairs
     def _start_pairs(self, hosts: str, cases: list[_Case]) -> None:
-        """Start A and B of every case (concurrently) and connect them; failures mark cases."""
+        """Start A and the Bs of every case (concurrently) and connect them; failures mark cases."""
         host_a, host_b = self._addr(hosts)
         started = []
         for c in cases:
             if c.unavailable:
                 continue
             try:
-                spec = c.spec(host_a)
-                spec["env"] = self._env(hosts, "A")
-                c.a = self._spawn("A", spec, hosts)
+                c.a = self._spawn("A", self._spec(c, host_a, hosts, "A"), hosts)
                 started.append(c)
             except Exception as exc:
                 c.unavailable = f"could not start: {exc}"
         for c in list(started):
             try:
                 c.listen_info = c.a.recv("listening", CONNECT_TIMEOUT_S)  # type: ignore[union-attr]
-                spec = c.spec(host_b)
-                spec["env"] = self._env(hosts, "B")
-                c.b = self._spawn("B", spec, hosts)
+                c.bs = [self._spawn("B", self._spec(c, host_b, hosts, "B", i), hosts)
+                        for i in range(c.subscribers)]
             except _WorkerFailed as exc:
                 self._break(c, f"could not start: {exc}", None)
                 started.remove(c)
         for c in list(started):
             try:
-                c.b.recv("listening", CONNECT_TIMEOUT_S)  # type: ignore[union-attr]
-                c.a.send("connect", c.listen_info)  # type: ignore[union-attr]
-                c.b.send("connect", c.listen_info)  # type: ignore[union-attr]
+                for b in c.bs:
+                    b.recv("listening", CONNECT_TIMEOUT_S)
+                for p in c.procs:
+                    p.send("connect", c.listen_info)
             except _WorkerFailed as exc:
                 self._break(c, f"could not start: {exc}", None)
                 started.remove(c)
         for c in started:
             try:
                 info = c.a.recv("ready", CONNECT_TIMEOUT_S)  # type: ignore[union-attr]
-                c.b.recv("ready", CONNECT_TIMEOUT_S)  # type: ignore[union-attr]
+                for b in c.bs:
+                    b.recv("ready", CONNECT_TIMEOUT_S)
                 c.resolved_route = info.get("route")
             except _WorkerFailed as exc:
                 self._break(c, f"could not connect: {exc}", None)
+
+    def _spec(self, c: _Case, host: str, hosts: str, side: str, index: int = 0) -> dict[str, Any]:
+        return {**c.spec(host, self.cfg.messages), "env": self._env(hosts, side), "index": index}
 
     def _spawn(self, role: str, spec: dict[str, Any], hosts: str) -> _Proc:
         exe = None
@@ -430,13 +508,12 @@ class _Runner:
     def _break(self, c: _Case, why: str, size: int | None) -> None:
         if c.broken is None and c.unavailable is None:
             c.broken, c.broken_at = why, size
-        for p in (c.a, c.b):
-            if p is not None:
-                p.kill()
+        for p in c.procs:
+            p.kill()
         self.progress({"event": "note", "text": f"{c.name}: {why}"})
 
     def _stop_pairs(self, cases: list[_Case]) -> None:
-        procs = {p: c for c in cases for p in (c.a, c.b) if p is not None}
+        procs = {p: c for c in cases for p in c.procs}
         for p, why in self._stop_procs(list(procs)).items():
             self.notes.append(f"{procs[p].name} side {p.role}: {why}")
 
@@ -467,22 +544,28 @@ class _Runner:
         if not self.cfg.baselines:
             return []
         raws: dict[str, _Case] = {}
+
+        def raw(mq_type: str, route: str, device: str, mode: str) -> _Case:
+            if (mq_type, route) not in raws:
+                r = raws[mq_type, route] = _Case("raw", mq_type, route, device, hosts, mode)
+                if mq_type.startswith("raw:rpc"):
+                    r.unavailable = _rpc_unavailable(cuda=mq_type == "raw:rpc-cuda")
+                r.unavailable = reason or r.unavailable
+            return raws[mq_type, route]
+
         for c in mq_cases:
+            if c.mode == "fanout":
+                continue  # its baseline is the same fan-out to one subscriber
             if name == "pynng":
                 fam = _family(c, hosts)
-                key, mq_type, route = f"pynng-{fam}", "raw:pynng", fam
+                c.baseline = raw("raw:pynng", fam, c.device, c.mode)
+                if c.mode in ZMQ_MODES and _zmq_installed():  # a row of its own, nobody's baseline
+                    raw("raw:pyzmq", fam, c.device, c.mode)
             elif c.mq_type == "torchrpc:cuda":
-                key, mq_type, route = "rpc-cuda", "raw:rpc-cuda", "auto"
+                c.baseline = raw("raw:rpc-cuda", "auto", c.device, c.mode)
             else:
-                key, mq_type, route = "rpc", "raw:rpc", "auto"
-            if key not in raws:
-                raws[key] = _Case("raw", mq_type, route, c.device, hosts)
-                if mq_type.startswith("raw:rpc"):
-                    raws[key].unavailable = _rpc_unavailable(cuda=mq_type == "raw:rpc-cuda")
-                if reason:
-                    raws[key].unavailable = reason
-            c.baseline = raws[key]
-        return sorted(raws.values(), key=lambda r: r.route)
+                c.baseline = raw("raw:rpc", "auto", c.device, c.mode)
+        return sorted(raws.values(), key=lambda r: (r.route, r.mq_type))
 
     def _run_group(self, hosts: str, name: str, cases: list[_Case]) -> None:
         self.progress({"event": "group", "text": f"{'two hosts' if hosts == 'two' else 'same host'}: "
@@ -492,18 +575,20 @@ class _Runner:
         self._start_pairs(hosts, raws)
         everything = cases + raws
         self.cases.extend(everything)
-        self.progress({"event": "total", "add": len(everything) * len(self.cfg.sizes)})
+        sizes = self.cfg.sizes_for(cases[0].mode)
+        self.progress({"event": "total", "add": len(everything) * len(sizes)})
         try:
-            for i, size in enumerate(self.cfg.sizes):
-                self._run_size(everything, size, i)
+            for i, size in enumerate(sizes):
+                bound = [self.bound] if size not in self.bound.results else []
+                self._run_size(everything + bound, size, i)
         finally:
             self._stop_pairs(everything)
 
     def _record_unrun(self, cases: list[_Case]) -> None:
         self.cases.extend(cases)
-        self.progress({"event": "total", "add": len(cases) * len(self.cfg.sizes)})
+        self.progress({"event": "total", "add": sum(len(self.cfg.sizes_for(c.mode)) for c in cases)})
         for c in cases:
-            for size in self.cfg.sizes:
+            for size in self.cfg.sizes_for(c.mode):
                 c.results[size] = _SizeResult(done=True, skipped=c.unavailable)
                 self.progress({"event": "advance", "text": f"{c.name} {format_size(size)}: skipped"})
 
@@ -592,10 +677,10 @@ class _Runner:
             row = {"hosts": hosts, "link": label, "gbps": None, "bytes": None, "seconds": None, "error": None}
             a = b = None
             try:
-                a = self._spawn("A", {"kind": "stream", "route": route, "host": host_a,
+                a = self._spawn("A", {"kind": "link", "route": route, "host": host_a,
                                       "env": self._env(hosts, "A")}, hosts)
                 addr = a.recv("listening", CONNECT_TIMEOUT_S)
-                b = self._spawn("B", {"kind": "stream", "route": route, "host": host_b,
+                b = self._spawn("B", {"kind": "link", "route": route, "host": host_b,
                                       "env": self._env(hosts, "B")}, hosts)
                 b.recv("listening", CONNECT_TIMEOUT_S)
                 a.send("connect", {})
@@ -603,7 +688,7 @@ class _Runner:
                 a.recv("ready", CONNECT_TIMEOUT_S)
                 b.recv("ready", CONNECT_TIMEOUT_S)
                 link0 = self.two.link_bytes() if hosts == "two" else None
-                out = a.request("stream", {"seconds": self.cfg.link_seconds}, "stream",
+                out = a.request("link", {"seconds": self.cfg.link_seconds}, "link",
                                 self.cfg.link_seconds * 4 + 120)
                 row.update(gbps=round(out["gbps"], 3), bytes=out["bytes"], seconds=round(out["seconds"], 4))
                 if link0 is not None:
@@ -624,7 +709,7 @@ def _family(c: _Case, hosts: str) -> str:
         return "tcp"
     if route in ("ipc", "shm", "inproc"):
         return "ipc"
-    if route == "auto":  # never connected: what auto takes on one host
+    if route in ("auto", "handle"):  # never connected: what auto takes on one host
         return "ipc"
     return "tcp"
 
@@ -650,8 +735,20 @@ def _stats(samples_ns: list[int]) -> dict[str, float]:
             "max_ms": float(ms.max()), "mean_ms": float(ms.mean())}
 
 
-def _row(c: _Case, size: int) -> dict[str, Any]:
+def _copies(c: _Case, messages: int) -> tuple[int, int]:
+    """(payloads one sample moves, memcpys its physical bound is): a round trip moves the
+    payload there and back (bound: 2 memcpy), a fan-out N payloads but shared memory copies
+    it once (bound: 1 memcpy), a stream `messages` payloads (bound: that many memcpys)."""
+    return {"roundtrip": (2, 2), "fanout": (c.subscribers, 1), "stream": (messages, messages)}.get(c.mode, (1, 1))
+
+
+def _p50(res: _SizeResult | None) -> float | None:
+    return _stats(res.samples_ns)["p50_ms"] if res is not None and res.samples_ns else None
+
+
+def _row(c: _Case, size: int, bound: _Case, messages: int) -> dict[str, Any]:
     res = c.results.get(size) or _SizeResult(skipped=c.unavailable or "not run")
+    moved, memcpys = _copies(c, messages)
     row: dict[str, Any] = {
         "kind": c.kind, "mq_type": c.mq_type, "route": c.route,
         "resolved_route": c.resolved_route, "hosts": c.hosts, "device": c.device,
@@ -661,29 +758,47 @@ def _row(c: _Case, size: int) -> dict[str, Any]:
         "baseline": (c.baseline.mq_type + "/" + c.baseline.route) if c.baseline else None,
         "baseline_p50_ms": None, "ratio": None, "skipped": bool(res.skipped),
         "reason": res.skipped, "seconds": round(res.used_s, 3),
-        "link_bytes": res.link_bytes,
+        "link_bytes": res.link_bytes, "mode": c.mode,
+        "subscribers": c.subscribers if c.mode == "fanout" else None,
+        "messages": messages if c.mode == "stream" else None, "payloads": moved, "bound_copies": memcpys,
+        "bound_ms": None, "ratio_bound": None, "msgs_per_s": None, "mb_per_s": None,
+        "lossless": None,
     }
-    if res.samples_ns:
-        st = _stats(res.samples_ns)
-        row.update({k: round(v, 6) for k, v in st.items()})
-        row["gbps"] = round(2 * size * 8 / (st["p50_ms"] / 1e3) / 1e9, 4)
-        if c.baseline is not None:
-            b = c.baseline.results.get(size)
-            if b is not None and b.samples_ns:
-                bp50 = _stats(b.samples_ns)["p50_ms"]
-                row["baseline_p50_ms"] = round(bp50, 6)
-                row["ratio"] = round(st["p50_ms"] / bp50, 4)
+    if c.mode == "stream" and (res.samples_ns or "lost or reordered" in (res.skipped or "")):
+        row["lossless"] = "lost or reordered" not in (res.skipped or "")  # B checks every counter
+    if not res.samples_ns:
+        return row
+    st = _stats(res.samples_ns)
+    p50_s = st["p50_ms"] / 1e3
+    row.update({k: round(v, 6) for k, v in st.items()})
+    row["gbps"] = round(moved * size * 8 / p50_s / 1e9, 4)
+    if c.mode == "stream":
+        row["msgs_per_s"] = round(messages / p50_s, 1)
+        row["mb_per_s"] = round(messages * size / p50_s / 1e6, 3)
+    base_p50 = _p50(c.baseline.results.get(size)) if c.baseline is not None else None
+    if base_p50:
+        row["baseline_p50_ms"] = round(base_p50, 6)
+        row["ratio"] = round(st["p50_ms"] / base_p50, 4)
+    bound_p50 = _p50(bound.results.get(size))
+    if bound_p50:
+        row["bound_ms"] = round(memcpys * bound_p50, 6)
+        row["ratio_bound"] = round(st["p50_ms"] / row["bound_ms"], 4)
     return row
 
 
-_ORDER = {"nng": 0, "raw:pynng": 1, "torchrpc:cpu": 2, "raw:rpc": 3, "torchrpc:cuda": 4, "raw:rpc-cuda": 5}
-_ROUTE_ORDER = {"auto": 0, "tcp": 1, "ipc": 2}
+_ORDER = {"memcpy": -1, "nng": 0, "raw:pynng": 1, "raw:pyzmq": 2, "torchrpc:cpu": 3, "raw:rpc": 4,
+          "torchrpc:cuda": 5, "raw:rpc-cuda": 6}
+_ROUTE_ORDER = {"auto": 0, "tcp": 1, "ipc": 2, "handle": 3}
+_MODE_ORDER = ("bound", *MODES)
 
 
-def _rows(cases: list[_Case], sizes: Sequence[int]) -> list[dict[str, Any]]:
-    cases = sorted(cases, key=lambda c: (HOSTS.index(c.hosts), _ORDER.get(c.mq_type, 9),
-                                         _ROUTE_ORDER.get(c.route, 9), c.device))
-    return [_row(c, s) for c in cases for s in sizes]
+def _rows(runner: "_Runner") -> list[dict[str, Any]]:
+    cfg = runner.cfg
+    cases = sorted(runner.cases, key=lambda c: (
+        _MODE_ORDER.index(c.mode), HOSTS.index(c.hosts), _ORDER.get(c.mq_type, 9),
+        _ROUTE_ORDER.get(c.route, 9), -c.subscribers, c.device))
+    return [_row(c, s, runner.bound, cfg.messages) for c in cases
+            for s in (cfg.all_sizes() if c is runner.bound else cfg.sizes_for(c.mode))]
 
 
 # ================================================================================== entry
@@ -697,9 +812,10 @@ def run(cfg: BenchConfig, progress: Progress | None = None) -> Report:
     started = time.monotonic()
     load_before = _read("/proc/loadavg").split()[:3] or None
     runner.run()
-    rows = _rows(runner.cases, cfg.sizes)
+    rows = _rows(runner)
     config = asdict(cfg)
     config["sizes"] = [format_size(s) for s in cfg.sizes]
+    config["mode_sizes"] = {m: [format_size(s) for s in cfg.sizes_for(m)] for m in cfg.modes}
     config["seconds_total"] = round(time.monotonic() - started, 1)
     config["loadavg_before"] = load_before
     return Report(machine=machine_info(), rows=rows, links=runner.links, config=config,

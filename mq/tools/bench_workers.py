@@ -35,10 +35,13 @@ GC_EACH_BYTES = 64 * MB
 
 
 def _nbytes(obj: Any) -> int:
-    try:
-        return int(obj.numel() * obj.element_size())
-    except Exception:
-        return 0
+    """Bytes a received message holds (an mq Message, tensor, array, bytes or zmq frame)."""
+    obj = getattr(obj, "payload", obj)
+    with contextlib.suppress(Exception):
+        return int(obj.nbytes)
+    with contextlib.suppress(Exception):
+        return len(obj)
+    return 0
 
 
 def _hard_timeout(size: int) -> float:
@@ -46,23 +49,77 @@ def _hard_timeout(size: int) -> float:
     return 30.0 + size / 25e6
 
 
+# What A times for one sample, per mode (B's side in brackets):
+#   roundtrip  send the payload, receive it back            [echo]
+#   oneway     send the payload, receive a tiny ack         [drop it, ack]
+#   fanout     publish to every subscriber, receive N acks  [drop it, ack] (mq only)
+#   stream     send `messages` small messages, receive one ack for the burst
+#                                                           [check counters in order, ack]
+MODES = ("roundtrip", "oneway", "fanout", "stream")
+
 
 def _echo(t: Any) -> Any:
-    """The raw RPC baseline's remote function (module level: B imports it by name)."""
+    """The raw RPC round trip's remote function (module level: B imports it by name)."""
     return t
+
+
+def _ack(t: Any) -> int:
+    """The raw RPC one-way remote function: a tiny answer instead of the payload."""
+    return 0
+
+
+class _Closed(Exception):
+    """B's socket or queue was closed: stop serving."""
+
+
+class _Sequence:
+    """B's side of a stream: counts gaps in the counter sequence and, at the last message of
+    each burst, gives the ack A checks: (next counter expected, gaps so far)."""
+
+    def __init__(self, burst: int):
+        self.burst, self.expected, self.gaps = burst, 0, 0
+
+    def feed(self, i: int) -> tuple[int, int] | None:
+        if i != self.expected:
+            self.gaps += 1
+        self.expected = i + 1
+        return (self.expected, self.gaps) if self.expected % self.burst == 0 else None
+
+
+def _check_stream_ack(ack: Any, sent: int) -> None:
+    expected, gaps = (int(v) for v in ack)
+    if gaps or expected != sent:
+        raise RuntimeError(f"stream lost or reordered messages: sent {sent}, the receiver "
+                           f"expects {expected} next and saw {gaps} gap(s)")
+
+
+def _host(t: Any) -> Any:
+    """A tensor's bytes as a host numpy array (raw sockets only carry host memory)."""
+    return (t.cpu() if t.device.type != "cpu" else t).numpy()
 
 
 class _Endpoint:
     """One side of a measured pair. A: ``prepare`` -> ``connect`` -> ``batch``...; B:
-    ``connect`` then echo until stopped."""
+    ``connect`` then serve (echo, ack or count, by mode) until stopped.
+
+    Message-carrying subclasses give primitives and the base runs every mode with them. A:
+    ``_send(t)``, ``_recv_echo()``, ``_recv_ack()``, ``_send_item(i, x)``; B: ``_b_recv(timeout)``
+    (None on timeout, raises :class:`_Closed`), ``_b_echo(m)``, ``_b_counter(m)``, ``_b_ack(v)``.
+    """
 
     def __init__(self, role: str, spec: dict[str, Any]):
         self.role = role
         self.spec = spec
+        self.mode = spec.get("mode", "roundtrip")
+        self.acks = max(1, spec.get("subscribers", 1))  # A waits for one ack per subscriber
+        self.burst = spec.get("messages", 1)  # messages per stream sample
         self.device = spec.get("device", "cpu")
         self.error: str | None = None
         self._payload: Any = None
         self._payload_size = -1
+        self._sent = 0  # stream counter, continued across bursts
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     # -- life cycle
     def prepare(self) -> dict[str, Any]:
@@ -72,11 +129,80 @@ class _Endpoint:
         raise NotImplementedError
 
     def close(self) -> None:
-        pass
+        self._stop.set()
+        if self._thread is not None:  # let B's loop leave its socket before it is closed
+            self._thread.join(2.0)
+
+    # -- B side
+    def _serve_in_thread(self) -> None:
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="bench-serve")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        seq = _Sequence(self.burst)
+        while not self._stop.is_set():
+            try:
+                m = self._b_recv(0.5)
+                if m is None:
+                    continue
+                big = _nbytes(m) >= GC_EACH_BYTES
+                if self.mode == "roundtrip":
+                    self._b_echo(m)
+                elif self.mode == "stream":
+                    ack = seq.feed(self._b_counter(m))
+                    if ack:
+                        self._b_ack(ack)
+                else:
+                    del m  # drop the view first: a pooled slot can go back before the ack
+                    self._b_ack(0)
+                m = None
+                if big:
+                    gc.collect()  # after the reply left: A is receiving it meanwhile
+            except _Closed:
+                return
+            except Exception as exc:  # A's next wait times out and reports the row skipped
+                self.error = f"{self.mode} peer failed: {type(exc).__name__}: {exc}"
+                return
 
     # -- A side
-    def roundtrip(self, t: Any, timeout: float) -> tuple[int, Any]:
-        raise NotImplementedError
+    def _set_timeout(self, timeout: float) -> None:
+        pass
+
+    def _settle(self, t: Any, timeout: float) -> None:
+        """Untimed work between two samples (e.g. waiting until a pooled buffer is released)."""
+
+    def _item(self, t: Any) -> Any:
+        """The array each stream message carries (64 float32 at the default 256 bytes)."""
+        x = _host(t)
+        return x.view("float32") if x.nbytes % 4 == 0 else x
+
+    def exchange(self, t: Any, timeout: float) -> tuple[int, Any]:
+        """One timed sample of this mode: (nanoseconds, the echo or None)."""
+        self._set_timeout(timeout)
+        if self.mode == "stream":
+            return self._stream(t)
+        t0 = time.perf_counter_ns()
+        self._send(t)
+        if self.mode == "roundtrip":
+            out = self._recv_echo()
+        else:
+            out = None
+            for _ in range(self.acks):
+                self._recv_ack()
+        t1 = time.perf_counter_ns()
+        self._settle(t, timeout)
+        return t1 - t0, out
+
+    def _stream(self, t: Any) -> tuple[int, Any]:
+        x = self._item(t)
+        t0 = time.perf_counter_ns()
+        for _ in range(self.burst):
+            self._send_item(self._sent, x)
+            self._sent += 1
+        ack = self._recv_ack()
+        t1 = time.perf_counter_ns()
+        _check_stream_ack(ack, self._sent)
+        return t1 - t0, None
 
     def payload(self, size: int) -> Any:
         import torch
@@ -106,8 +232,8 @@ class _Endpoint:
         stopped = None
         start = time.monotonic()
         for i in range(warmup):
-            ns, out = self.roundtrip(t, timeout_s)
-            if verify and i == 0:
+            ns, out = self.exchange(t, timeout_s)
+            if verify and i == 0 and out is not None:
                 _check_echo(t, out)
             del out
             warm.append(ns)
@@ -120,7 +246,7 @@ class _Endpoint:
             if time.monotonic() - start + last > cap_s:
                 stopped = "budget"
                 break
-            ns, out = self.roundtrip(t, timeout_s)
+            ns, out = self.exchange(t, timeout_s)
             del out
             samples.append(ns)
             last = ns / 1e9
@@ -146,21 +272,52 @@ def _check_echo(t: Any, out: Any) -> None:
         raise RuntimeError("echo came back with different bytes than were sent")
 
 
+class _BoundEndpoint(_Endpoint):
+    """The physical bound, in A alone: one memcpy of the payload into warm memory (allocated
+    once per size and faulted in before timing, as a reused pool slot would be)."""
+
+    _dst: Any = None
+
+    def connect(self, peer: dict[str, Any]) -> dict[str, Any]:
+        return {"route": "warm"}
+
+    def exchange(self, t: Any, timeout: float) -> tuple[int, Any]:
+        import numpy as np
+
+        src = _host(t)
+        if self._dst is None or self._dst.nbytes != src.nbytes:
+            self._dst = None
+            self._dst = np.empty_like(src)
+            self._dst.fill(0)  # page faults are not part of the bound
+        t0 = time.perf_counter_ns()
+        np.copyto(self._dst, src)
+        return time.perf_counter_ns() - t0, None
+
+    def free(self) -> None:
+        self._dst = None
+        super().free()
+
+
 class _MqEndpoint(_Endpoint):
-    """``mq.create(mq_type, ...)``: A sends and receives, B echoes on a thread."""
+    """``mq.create(mq_type, ...)``: A is node 0, B (or fan-out subscriber ``index``) node
+    1 + index. Route ``handle`` sends a payload allocated in mq's shared-memory pool."""
 
     def __init__(self, role: str, spec: dict[str, Any]):
         super().__init__(role, spec)
         self.mq_type = spec["mq_type"]
-        self.node_id = 0 if role == "A" else 1
+        self.node_id = 0 if role == "A" else 1 + spec.get("index", 0)
+        self.by_handle = spec["route"] == "handle"
+        self.protocol = "auto" if self.by_handle else spec["route"]
         self.q: Any = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._timeout = CONNECT_TIMEOUT_S
+        self._slot: Any = None
 
     def _create(self, **options: Any) -> Any:
         import mq
 
         q = mq.create(self.mq_type, self.node_id, {"bench"}, timeout=CONNECT_TIMEOUT_S, **options)
+        if self.mode == "fanout" and self.role == "B":
+            q.subscribe("bench")  # before joining: the handshake carries it
         q.listen()
         return q
 
@@ -169,7 +326,7 @@ class _MqEndpoint(_Endpoint):
         if self.role != "A":
             return {}
         if self.mq_type == "nng":
-            self.q = self._create(listen_to=f"tcp://{host}:0", protocol=self.spec["route"])
+            self.q = self._create(listen_to=f"tcp://{host}:0", protocol=self.protocol)
             return {"address": self.q.addresses["tcp"]}
         from mq.launch import free_port
 
@@ -179,133 +336,298 @@ class _MqEndpoint(_Endpoint):
         if self.mq_type == "nng":
             if self.role == "B":
                 self.q = self._create(listen_to=f"tcp://{self.spec['host']}:0",
-                                      attach_to=[peer["address"]], protocol=self.spec["route"])
+                                      attach_to=[peer["address"]], protocol=self.protocol)
         else:
             self.q = self._create(world_size=2, init_method=peer["init_method"])
-        other = 1 - self.node_id
-        self.q.wait_for_peers(ids=[other], timeout=CONNECT_TIMEOUT_S)
-        route = self.q.routes().get(other)
+        others = list(range(1, self.acks + 1)) if self.role == "A" else [0]
+        self.q.wait_for_peers(ids=others, timeout=CONNECT_TIMEOUT_S)
+        if self.role == "A" and self.mode == "fanout":
+            self.q.wait_for_subscribers("bench", self.acks, timeout=CONNECT_TIMEOUT_S)
+        if self.by_handle and not hasattr(self.q, "alloc"):
+            raise RuntimeError("mq has no shared-memory pool API")
+        route = self.q.routes().get(others[0])
         if self.role == "B":
-            self._thread = threading.Thread(target=self._echo_loop, daemon=True, name="bench-echo")
-            self._thread.start()
+            self._serve_in_thread()
         return {"route": getattr(route, "kind", None), "route_reason": getattr(route, "reason", None)}
 
-    def _echo_loop(self) -> None:
+    # -- A
+    def payload(self, size: int) -> Any:
+        t = super().payload(size)
+        if not self.by_handle:
+            return t
+        if self._slot is None or self._slot.nbytes != size:
+            import numpy as np
+
+            self._slot = None
+            self._slot = self.q.alloc((size,), np.uint8)
+            self._slot[:] = t.numpy()
+        return self._slot
+
+    def free(self) -> None:
+        self._slot = None
+        super().free()
+
+    def _set_timeout(self, timeout: float) -> None:
+        self._timeout = timeout
+
+    def _settle(self, t: Any, timeout: float) -> None:
+        if self.by_handle:
+            self.q.wait_released(t, timeout=timeout)
+
+    def _send(self, t: Any) -> None:
+        if self.mode != "fanout":
+            self.q.send(1, "bench", t, timeout=self._timeout)
+            return
+        reached = self.q.publish("bench", t, timeout=self._timeout)
+        if len(reached) != self.acks:
+            raise RuntimeError(f"publish reached {len(reached)} of {self.acks} subscribers")
+
+    def _recv_echo(self) -> Any:
+        return self.q.recv(timeout=self._timeout).payload
+
+    _recv_ack = _recv_echo
+
+    def _send_item(self, i: int, x: Any) -> None:
+        self.q.send(1, "bench", {"i": i, "x": x}, timeout=self._timeout)
+
+    # -- B
+    def _b_recv(self, timeout: float) -> Any:
         import mq
 
-        q = self.q
-        while not self._stop.is_set():
-            try:
-                m = q.recv(timeout=0.5)
-            except mq.Timeout:
-                continue
-            except mq.MQError:
-                return
-            try:
-                q.send(m.sender, m.topic, m.payload, timeout=_hard_timeout(1 << 31))
-            except mq.MQError as exc:
-                self.error = f"echo failed: {exc}"
-            big = _nbytes(m.payload) >= GC_EACH_BYTES
-            del m
-            if big:
-                gc.collect()  # after the echo left: A is receiving it meanwhile
+        try:
+            return self.q.recv(timeout=timeout)
+        except mq.Timeout:
+            return None
+        except mq.MQError as exc:
+            raise _Closed() from exc
 
-    def roundtrip(self, t: Any, timeout: float) -> tuple[int, Any]:
-        q = self.q
-        t0 = time.perf_counter_ns()
-        q.send(1, "bench", t, timeout=timeout)
-        m = q.recv(timeout=timeout)
-        t1 = time.perf_counter_ns()
-        return t1 - t0, m.payload
+    def _b_echo(self, m: Any) -> None:
+        self.q.send(m.sender, m.topic, m.payload, timeout=_hard_timeout(1 << 31))
+
+    def _b_counter(self, m: Any) -> int:
+        return int(m.payload["i"])
+
+    def _b_ack(self, value: Any) -> None:
+        self.q.send(0, "ack", list(value) if isinstance(value, tuple) else value, timeout=CONNECT_TIMEOUT_S)
 
     def close(self) -> None:
-        self._stop.set()
+        super().close()
         if self.q is not None:
             with contextlib.suppress(Exception):
                 self.q.stop(timeout=2.0)
 
 
-class _PynngEndpoint(_Endpoint):
-    """Raw pynng ``Pair0``: the baseline of nng rows."""
+class _SocketEndpoint(_Endpoint):
+    """A raw socket library's endpoint: A listens on ``tcp`` (host, any port) or ``ipc`` (a
+    unix socket path, unlinked once connected); B connects and greets."""
 
     def __init__(self, role: str, spec: dict[str, Any]):
         super().__init__(role, spec)
-        self.sock: Any = None
-        self._thread: threading.Thread | None = None
-        self._ipc_path: str | None = None
-        self._timeout_ms = -2
+        self._ipc_paths: list[str] = []
 
-    def prepare(self) -> dict[str, Any]:
-        import pynng
-
-        if self.role != "A":
-            return {}
-        self.sock = pynng.Pair0(recv_max_size=0)
+    def _address(self, n: int) -> str:
         if self.spec["route"] == "ipc":
-            self._ipc_path = os.path.join(tempfile.gettempdir(), f"mqbench-raw-{os.getpid()}.sock")
-            self.sock.listen(f"ipc://{self._ipc_path}")
-            return {"address": f"ipc://{self._ipc_path}"}
-        listener = self.sock.listen(f"tcp://{self.spec['host']}:0")
-        port = str(listener.local_address).rpartition(":")[2]
-        return {"address": f"tcp://{self.spec['host']}:{port}"}
+            path = os.path.join(tempfile.gettempdir(), f"mqbench-raw-{os.getpid()}-{n}.sock")
+            self._ipc_paths.append(path)
+            return f"ipc://{path}"
+        return f"tcp://{self.spec['host']}"
 
-    def connect(self, peer: dict[str, Any]) -> dict[str, Any]:
-        import pynng
+    def _unlink(self) -> None:
+        for path in self._ipc_paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._ipc_paths = []
 
-        if self.role == "B":
-            self.sock = pynng.Pair0(recv_max_size=0, send_timeout=int(CONNECT_TIMEOUT_S * 1000))
-            self.sock.dial(peer["address"], block=True)
-            self.sock.send(b"hello")
-            self._thread = threading.Thread(target=self._echo_loop, daemon=True, name="bench-echo")
-            self._thread.start()
-        else:
-            self.sock.recv_timeout = int(CONNECT_TIMEOUT_S * 1000)
-            if self.sock.recv() != b"hello":
-                raise RuntimeError("raw pynng peer sent an unexpected greeting")
-            if self._ipc_path:  # connected (Pair0 takes one peer): drop the path now
-                with contextlib.suppress(OSError):
-                    os.unlink(self._ipc_path)
-                self._ipc_path = None
+    def _route(self) -> dict[str, Any]:
         return {"route": "ipc" if self.spec["route"] == "ipc" else "tcp"}
 
-    def _echo_loop(self) -> None:
-        import pynng
-
-        sock = self.sock
-        while True:
-            try:
-                sock.send(sock.recv())
-            except pynng.Closed:
-                return
-            except pynng.NNGException as exc:
-                self.error = f"echo failed: {exc}"
-
-    def roundtrip(self, t: Any, timeout: float) -> tuple[int, Any]:
+    def _recv_echo_array(self, buf: Any, device: Any) -> Any:
         import torch
 
+        out = torch.frombuffer(buf, dtype=torch.uint8)
+        return out.to(device) if device.type != "cpu" else out
+
+
+class _PynngEndpoint(_SocketEndpoint):
+    """Raw pynng, what a pynng user writes (bytes in, bytes out): ``Pair0`` for round trips and
+    one-way, ``Push0``/``Pull0`` for streams (a second pair carries B's acks back). The
+    baseline of nng rows."""
+
+    def __init__(self, role: str, spec: dict[str, Any]):
+        super().__init__(role, spec)
+        self.tx: Any = None
+        self.rx: Any = None
+        self._timeout_ms = -2
+
+    def _open(self, **opts: Any) -> list[Any]:
+        """Opens tx/rx; returns the sockets in the order A listens and B dials them."""
+        import pynng
+
+        if self.mode != "stream":
+            self.tx = self.rx = pynng.Pair0(recv_max_size=0, **opts)
+            return [self.tx]
+        self.tx, self.rx = pynng.Push0(**opts), pynng.Pull0(recv_max_size=0, **opts)
+        return [self.tx, self.rx] if self.role == "A" else [self.rx, self.tx]
+
+    def prepare(self) -> dict[str, Any]:
+        if self.role != "A":
+            return {}
+        addresses = []
+        for n, sock in enumerate(self._open()):
+            address = self._address(n)
+            listener = sock.listen(address if address.startswith("ipc") else f"{address}:0")
+            if not address.startswith("ipc"):
+                address += ":" + str(listener.local_address).rpartition(":")[2]
+            addresses.append(address)
+        return {"addresses": addresses}
+
+    def connect(self, peer: dict[str, Any]) -> dict[str, Any]:
+        if self.role == "B":
+            for sock, address in zip(self._open(send_timeout=int(CONNECT_TIMEOUT_S * 1000)), peer["addresses"]):
+                sock.dial(address, block=True)
+            self.tx.send(b"hello")
+            self._serve_in_thread()
+        else:
+            self.rx.recv_timeout = int(CONNECT_TIMEOUT_S * 1000)
+            if self.rx.recv() != b"hello":
+                raise RuntimeError("raw pynng peer sent an unexpected greeting")
+            self._unlink()  # connected: the paths are not needed any more
+        return self._route()
+
+    # -- A
+    def _set_timeout(self, timeout: float) -> None:
         ms = int(timeout * 1000)
         if ms != self._timeout_ms:
-            self.sock.send_timeout = self.sock.recv_timeout = self._timeout_ms = ms
-        cuda = t.device.type != "cpu"
-        t0 = time.perf_counter_ns()
-        self.sock.send((t.cpu() if cuda else t).numpy().tobytes())
-        data = self.sock.recv()
-        out = torch.frombuffer(data, dtype=torch.uint8)
-        if cuda:
-            out = out.to(t.device)
-        t1 = time.perf_counter_ns()
-        return t1 - t0, out
+            for sock in {self.tx, self.rx}:
+                sock.send_timeout = sock.recv_timeout = ms
+            self._timeout_ms = ms
+
+    def _send(self, t: Any) -> None:
+        self.tx.send(_host(t).tobytes())
+
+    def _recv_echo(self) -> Any:
+        return self._recv_echo_array(self.rx.recv(), self._payload.device)
+
+    def _recv_ack(self) -> Any:
+        m = self.rx.recv()
+        return struct.unpack("<QQ", m) if self.mode == "stream" else m
+
+    def _item(self, t: Any) -> Any:
+        return super()._item(t).tobytes()
+
+    def _send_item(self, i: int, x: Any) -> None:
+        self.tx.send(struct.pack("<Q", i) + x)
+
+    # -- B
+    def _b_recv(self, timeout: float) -> Any:
+        import pynng
+
+        try:
+            return self.rx.recv()  # blocks until a message or close()
+        except pynng.Closed:
+            raise _Closed() from None
+
+    def _b_echo(self, m: Any) -> None:
+        self.tx.send(m)
+
+    def _b_counter(self, m: Any) -> int:
+        return struct.unpack_from("<Q", m)[0]
+
+    def _b_ack(self, value: Any) -> None:
+        self.tx.send(struct.pack("<QQ", *value) if isinstance(value, tuple) else b"k")
 
     def close(self) -> None:
+        self._stop.set()
+        for sock in {self.tx, self.rx} - {None}:
+            sock.close()  # wakes B's blocking recv
+        super().close()
+        self._unlink()
+
+
+class _ZmqEndpoint(_SocketEndpoint):
+    """Raw pyzmq ``PAIR`` with zero-copy sends and receives (``copy=False``, the receiver reads
+    the frame's buffer in place). Round trip and one-way; not the baseline of an mq row."""
+
+    def __init__(self, role: str, spec: dict[str, Any]):
+        super().__init__(role, spec)
+        self.ctx: Any = None
+        self.sock: Any = None
+
+    def _open(self) -> Any:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PAIR)
+        self.sock.linger = 0
+        return self.sock
+
+    def prepare(self) -> dict[str, Any]:
+        if self.role != "A":
+            return {}
+        address = self._address(0)
+        if address.startswith("ipc"):
+            self._open().bind(address)
+        else:
+            address += f":{self._open().bind_to_random_port(address)}"
+        return {"address": address}
+
+    def connect(self, peer: dict[str, Any]) -> dict[str, Any]:
+        if self.role == "B":
+            self._open().connect(peer["address"])
+            self.sock.sndtimeo = int(CONNECT_TIMEOUT_S * 1000)
+            self.sock.send(b"hello")
+            self._serve_in_thread()
+        else:
+            self.sock.rcvtimeo = int(CONNECT_TIMEOUT_S * 1000)
+            if self.sock.recv() != b"hello":
+                raise RuntimeError("raw pyzmq peer sent an unexpected greeting")
+            self._unlink()
+        return self._route()
+
+    # -- A
+    def _set_timeout(self, timeout: float) -> None:
+        self.sock.rcvtimeo = self.sock.sndtimeo = int(timeout * 1000)
+
+    def _send(self, t: Any) -> None:
+        self.sock.send(_host(t), copy=False)
+
+    def _recv_echo(self) -> Any:
+        import numpy as np
+
+        frame = self.sock.recv(copy=False)
+        return self._recv_echo_array(np.frombuffer(frame.buffer, dtype=np.uint8), self._payload.device)
+
+    def _recv_ack(self) -> Any:
+        return self.sock.recv(copy=False)
+
+    # -- B (only this thread touches the socket until close() has joined it)
+    def _b_recv(self, timeout: float) -> Any:
+        import zmq
+
+        try:
+            if not self.sock.poll(int(timeout * 1000)):
+                return None
+            return self.sock.recv(copy=False)
+        except zmq.ZMQError as exc:
+            raise _Closed() from exc
+
+    def _b_echo(self, m: Any) -> None:
+        self.sock.send(m, copy=False)
+
+    def _b_ack(self, value: Any) -> None:
+        self.sock.send(b"k")
+
+    def close(self) -> None:
+        super().close()
         if self.sock is not None:
-            self.sock.close()
-        if self._ipc_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self._ipc_path)
+            self.sock.close(linger=0)
+            self.ctx.term()
+        self._unlink()
 
 
 class _RpcEndpoint(_Endpoint):
-    """Raw ``torch.distributed.rpc`` on TensorPipe: the baseline of torchrpc rows."""
+    """Raw ``torch.distributed.rpc`` on TensorPipe: the baseline of torchrpc rows (round trip:
+    ``rpc_sync(_echo)``, one-way: ``rpc_sync(_ack)``)."""
 
     PEER = "bench1"
 
@@ -329,17 +651,19 @@ class _RpcEndpoint(_Endpoint):
         self.rpc = rpc
         return {"route": "auto"}
 
-    def roundtrip(self, t: Any, timeout: float) -> tuple[int, Any]:
+    def exchange(self, t: Any, timeout: float) -> tuple[int, Any]:
         stage = t.device.type != "cpu" and not self.spec.get("device_maps")
+        echo = self.mode == "roundtrip"
         t0 = time.perf_counter_ns()
-        out = self.rpc.rpc_sync(self.PEER, _echo, args=(t.cpu() if stage else t,), timeout=timeout)
-        if stage:
+        out = self.rpc.rpc_sync(self.PEER, _echo if echo else _ack, args=(t.cpu() if stage else t,),
+                                timeout=timeout)
+        if stage and echo:
             out = out.to(t.device)
         t1 = time.perf_counter_ns()
-        return t1 - t0, out
+        return t1 - t0, out if echo else None
 
 
-class _StreamEndpoint(_Endpoint):
+class _LinkEndpoint(_Endpoint):
     """A plain socket stream (tcp or unix): the link's ceiling. A sends, B counts and acks."""
 
     CHUNK = 4 * MB
@@ -420,7 +744,7 @@ class _StreamEndpoint(_Endpoint):
             raise RuntimeError("stream peer did not acknowledge")
         return time.perf_counter() - t0
 
-    def stream(self, seconds: float) -> dict[str, Any]:
+    def link(self, seconds: float) -> dict[str, Any]:
         probe = 64 * MB
         dt = self._send(probe)
         nbytes = int(min(32 * GB, max(probe, probe / max(dt, 1e-6) * seconds)))
@@ -441,7 +765,8 @@ class _StreamEndpoint(_Endpoint):
         self._unlink()
 
 
-_ENDPOINTS = {"mq": _MqEndpoint, "pynng": _PynngEndpoint, "rpc": _RpcEndpoint, "stream": _StreamEndpoint}
+_ENDPOINTS = {"mq": _MqEndpoint, "pynng": _PynngEndpoint, "zmq": _ZmqEndpoint, "rpc": _RpcEndpoint,
+              "bound": _BoundEndpoint, "link": _LinkEndpoint}
 
 
 def _die_with_parent() -> None:
@@ -475,9 +800,9 @@ def _worker(role: str, spec: dict[str, Any], conn: Any) -> None:
                 conn.send(("ready", ep.connect(arg)))
             elif op == "batch":
                 conn.send(("batch", ep.batch(**arg)))
-            elif op == "stream":
-                assert isinstance(ep, _StreamEndpoint)
-                conn.send(("stream", ep.stream(**arg)))
+            elif op == "link":
+                assert isinstance(ep, _LinkEndpoint)
+                conn.send(("link", ep.link(**arg)))
             elif op == "free":
                 ep.free()
                 conn.send(("ok", None))
