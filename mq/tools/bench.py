@@ -1,9 +1,16 @@
-"""``mq bench``: point-to-point round-trip latency of mq against raw pynng and raw torch RPC.
+"""``mq bench``: point-to-point latency and throughput of mq against raw pynng, raw pyzmq, raw
+torch RPC and the physical bound.
 
-What is measured: node A sends a tensor of ``size`` bytes to node B, B echoes it back
-(``recv`` then ``send``), and A times ``send`` -> ``recv`` with ``perf_counter_ns``. A and B are
-two processes started with the ``spawn`` method; with ``two_hosts`` B runs in its own network,
-PID and IPC namespaces joined to A by a veth pair (:mod:`mq.tools.netns`).
+What is measured (``modes``; A and B are processes started with the ``spawn`` method; with
+``two_hosts`` B runs in its own network, PID and IPC namespaces joined to A by a veth pair,
+:mod:`mq.tools.netns`). A times each sample with ``perf_counter_ns``:
+
+- ``roundtrip`` (default): A sends a tensor of ``size`` bytes, B echoes it (``recv`` then ``send``).
+- ``oneway``: A sends it, B drops it and answers a tiny ack.
+- ``fanout``: A ``publish``-es it to ``subscribers`` B processes and waits for every ack; the same
+  run measures the fan-out to one subscriber, the baseline of the N row.
+- ``stream``: A sends ``messages`` small messages (``{"i": counter, "x": size bytes}``) as fast as
+  backpressure lets it, B checks the counters arrive in order without gaps and acks each burst.
 
 Every mq row has a baseline measured in the same run, interleaved with it batch by batch so
 machine noise hits both:
@@ -11,16 +18,27 @@ machine noise hits both:
 ==================  ===========================================================================
 mq row              baseline
 ==================  ===========================================================================
-nng, route tcp      raw pynng ``Pair0`` echo over tcp (loopback, or the veth with two hosts)
-nng, route ipc      raw pynng ``Pair0`` echo over ipc (unix socket)
+nng, route tcp      raw pynng ``Pair0`` over tcp (loopback, or the veth with two hosts)
+nng, route ipc      raw pynng ``Pair0`` over ipc (unix socket)
 nng, route auto     the raw pynng family of the route mq took (``ipc`` same host, ``tcp`` across)
+nng, route handle   (one-way, same host) the payload lives in mq's shared-memory pool
+                    (``q.alloc``) and goes by handle; baseline raw pynng ipc. Skipped while mq
+                    has no ``alloc``/``wait_released``.
+nng stream          raw pynng ``Push0``/``Pull0`` streaming the same count, acks on a second pair
+nng fan-out N       the same fan-out to one subscriber
 torchrpc:cpu        raw ``rpc_sync(peer, _echo, args=(tensor,))`` on TensorPipe, no device maps
 torchrpc:cuda       raw ``rpc_sync`` with device maps (tensors stay on the GPU)
 ==================  ===========================================================================
 
 Raw pynng only sends ``bytes``, so its round trip is ``tensor.numpy().tobytes()`` -> ``send``
-... ``recv()`` -> ``torch.frombuffer``: what a user of pynng would write. Its B side echoes
-the received bytes as they are.
+... ``recv()`` -> ``torch.frombuffer``: what a user of pynng would write. Raw pyzmq rows (round
+trip and one-way, when pyzmq is installed) use its zero-copy API (``send(copy=False)``,
+``np.frombuffer(frame.buffer)``): nobody's baseline, a reference of what zero-copy sockets do.
+
+The physical bound is one memcpy of ``size`` bytes into warm memory (allocated once per size and
+faulted in first), measured by its own worker interleaved with the first group that has that
+size. Each row's ``ratio_bound`` is its p50 over the memcpys it needs at least
+(``bound_copies``: 2 for a round trip, 1 for one-way and fan-out, ``messages`` for a stream).
 
 Sampling: per (row, size) a warm-up (excluded) estimates one round trip; the row then takes
 ``target_seconds`` worth of samples (clamped to ``min_samples..max_samples``) in batches of
@@ -735,6 +753,10 @@ def _stats(samples_ns: list[int]) -> dict[str, float]:
             "max_ms": float(ms.max()), "mean_ms": float(ms.mean())}
 
 
+def _baseline_name(b: _Case) -> str:
+    return f"{b.mq_type}/{b.route}" + (f" fanout x{b.subscribers}" if b.mode == "fanout" else "")
+
+
 def _copies(c: _Case, messages: int) -> tuple[int, int]:
     """(payloads one sample moves, memcpys its physical bound is): a round trip moves the
     payload there and back (bound: 2 memcpy), a fan-out N payloads but shared memory copies
@@ -755,7 +777,7 @@ def _row(c: _Case, size: int, bound: _Case, messages: int) -> dict[str, Any]:
         "size": format_size(size), "size_bytes": size, "samples": len(res.samples_ns),
         "warmup": len(res.warm_ns), "min_ms": None, "p50_ms": None, "p99_ms": None,
         "max_ms": None, "mean_ms": None, "gbps": None,
-        "baseline": (c.baseline.mq_type + "/" + c.baseline.route) if c.baseline else None,
+        "baseline": _baseline_name(c.baseline) if c.baseline else None,
         "baseline_p50_ms": None, "ratio": None, "skipped": bool(res.skipped),
         "reason": res.skipped, "seconds": round(res.used_s, 3),
         "link_bytes": res.link_bytes, "mode": c.mode,
@@ -782,7 +804,7 @@ def _row(c: _Case, size: int, bound: _Case, messages: int) -> dict[str, Any]:
     bound_p50 = _p50(bound.results.get(size))
     if bound_p50:
         row["bound_ms"] = round(memcpys * bound_p50, 6)
-        row["ratio_bound"] = round(st["p50_ms"] / row["bound_ms"], 4)
+        row["ratio_bound"] = round(st["p50_ms"] / (memcpys * bound_p50), 4)
     return row
 
 
