@@ -438,7 +438,18 @@ class _SocketEndpoint(_Endpoint):
                 os.unlink(path)
         self._ipc_paths = []
 
-    def _route(self) -> dict[str, Any]:
+    def connect(self, peer: dict[str, Any]) -> dict[str, Any]:
+        """B dials and greets, then serves; A waits for the greeting (so the link is up before
+        the first timed sample) and drops its unix socket paths."""
+        if self.role == "B":
+            self._dial(peer)
+            self._greet()
+            self._serve_in_thread()
+        else:
+            self._set_timeout(CONNECT_TIMEOUT_S)
+            if self._greeting() != b"hello":
+                raise RuntimeError(f"{self.spec['kind']} peer sent an unexpected greeting")
+            self._unlink()  # connected: the paths are not needed any more
         return {"route": "ipc" if self.spec["route"] == "ipc" else "tcp"}
 
     def _recv_echo_array(self, buf: Any, device: Any) -> Any:
@@ -481,18 +492,15 @@ class _PynngEndpoint(_SocketEndpoint):
             addresses.append(address)
         return {"addresses": addresses}
 
-    def connect(self, peer: dict[str, Any]) -> dict[str, Any]:
-        if self.role == "B":
-            for sock, address in zip(self._open(send_timeout=int(CONNECT_TIMEOUT_S * 1000)), peer["addresses"]):
-                sock.dial(address, block=True)
-            self.tx.send(b"hello")
-            self._serve_in_thread()
-        else:
-            self.rx.recv_timeout = int(CONNECT_TIMEOUT_S * 1000)
-            if self.rx.recv() != b"hello":
-                raise RuntimeError("raw pynng peer sent an unexpected greeting")
-            self._unlink()  # connected: the paths are not needed any more
-        return self._route()
+    def _dial(self, peer: dict[str, Any]) -> None:
+        for sock, address in zip(self._open(send_timeout=int(CONNECT_TIMEOUT_S * 1000)), peer["addresses"]):
+            sock.dial(address, block=True)
+
+    def _greet(self) -> None:
+        self.tx.send(b"hello")
+
+    def _greeting(self) -> bytes:
+        return self.rx.recv()
 
     # -- A
     def _set_timeout(self, timeout: float) -> None:
@@ -571,18 +579,15 @@ class _ZmqEndpoint(_SocketEndpoint):
             address += f":{self._open().bind_to_random_port(address)}"
         return {"address": address}
 
-    def connect(self, peer: dict[str, Any]) -> dict[str, Any]:
-        if self.role == "B":
-            self._open().connect(peer["address"])
-            self.sock.sndtimeo = int(CONNECT_TIMEOUT_S * 1000)
-            self.sock.send(b"hello")
-            self._serve_in_thread()
-        else:
-            self.sock.rcvtimeo = int(CONNECT_TIMEOUT_S * 1000)
-            if self.sock.recv() != b"hello":
-                raise RuntimeError("raw pyzmq peer sent an unexpected greeting")
-            self._unlink()
-        return self._route()
+    def _dial(self, peer: dict[str, Any]) -> None:
+        self._open().connect(peer["address"])
+        self.sock.sndtimeo = int(CONNECT_TIMEOUT_S * 1000)
+
+    def _greet(self) -> None:
+        self.sock.send(b"hello")
+
+    def _greeting(self) -> bytes:
+        return self.sock.recv()
 
     # -- A
     def _set_timeout(self, timeout: float) -> None:
