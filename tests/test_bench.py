@@ -326,6 +326,7 @@ def test_bench_two_hosts_end_to_end_and_namespaces_gone():
     report = json.loads(_stdout(result))
     rows = report["rows"]
     _check_rows(rows)
+    rows = [r for r in rows if r["kind"] != "bound"]  # the memcpy bound is a same-host fact
     assert {r["hosts"] for r in rows} == {"two"}
     for r in rows:
         assert r["samples"] >= 1, r
