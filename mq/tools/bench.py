@@ -335,10 +335,9 @@ def mq_type_unavailable(mq_type: str) -> str | None:
 
 def _pool_api_missing() -> str | None:
     """Why the by-handle row cannot run: mq's shared-memory pool API (alloc / wait_released)."""
-    from mq.registry import backend_class
+    import mq
 
-    cls, _ = backend_class("nng")
-    if hasattr(cls, "alloc") and hasattr(cls, "wait_released"):
+    if hasattr(mq.MQ, "alloc") and hasattr(mq.MQ, "wait_released"):  # what mq.create returns
         return None
     return "mq has no shared-memory pool API"
 
