@@ -127,7 +127,8 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
             raise click.ClickException(f"--two-hosts: {reason}")
     devices: dict[str, str] = {}
     modes = tuple(lib.MODES) if suite else (modes or ("roundtrip",))
-    mode_sizes = {} if sizes else {"stream": [STREAM_SIZE]}
+    # A stream message is small unless --sizes says otherwise (the suite's always is).
+    mode_sizes = {} if sizes and not suite else {"stream": [STREAM_SIZE]}
     if suite:
         mode_sizes.update({m: [s for s in size_list if s <= cap] or size_list[:1]
                            for m, cap in SUITE_MODE_MAX_SIZE.items()})

@@ -657,7 +657,8 @@ class _Runner:
                     timeout_s=_hard_timeout(size), verify=warm)
         link0 = self.two.link_bytes() if (self.two is not None and c.hosts == "two") else None
         try:
-            out = c.a.request("batch", args, "batch", remaining + _hard_timeout(size) + 30)  # type: ignore[union-attr]
+            moved = _copies(c, cfg.messages)[0] * size  # a stream sample is a whole burst
+            out = c.a.request("batch", args, "batch", remaining + _hard_timeout(moved) + 30)  # type: ignore[union-attr]
         except _WorkerFailed as exc:
             res.done = True
             res.skipped = f"failed: {exc}"
