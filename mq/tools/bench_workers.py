@@ -347,6 +347,8 @@ class _MqEndpoint(_Endpoint):
             raise RuntimeError("mq has no shared-memory pool API")
         route = self.q.routes().get(others[0])
         if self.role == "B":
+            import torch  # noqa: F401 (decoding the first tensor would import it: ~2 s, not a sample)
+
             self._serve_in_thread()
         return {"route": getattr(route, "kind", None), "route_reason": getattr(route, "reason", None)}
 
