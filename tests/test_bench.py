@@ -262,16 +262,24 @@ def test_markdown_and_table_render_a_synthetic_report(capsys):
          "baseline": None, "baseline_p50_ms": None, "ratio": None, "skipped": False,
          "reason": None, "seconds": 1.0, "link_bytes": None},
     ]
+    stream = dict(rows[0], mode="stream", messages=1000, msgs_per_s=12345.0, mb_per_s=3.2, lossless=True,
+                  bound_copies=1000, ratio_bound=40.0, route="ipc", resolved_route="ipc")
+    bound = dict(rows[1], kind="bound", mq_type="memcpy", route="warm", mode="bound", bound_copies=1,
+                 ratio_bound=1.0)
+    rows += [stream, bound]
     report = lib.Report(machine={"cpu": "x", "cores": 2}, rows=rows, links=[], config={},
                         targets=lib._targets(rows))
     md = lib.to_markdown(report)
     assert "| nng/auto->ipc | 0.2 (2.00x) |" in md
+    assert "| x bound |" in md and "| memcpy (bound) | 1.25 KB |" in md
+    assert "| nng/ipc stream | 1.25 KB |" in md and "12.3k msg/s, 3.2 MB/s, lossless; bound: 1000 memcpy" in md
     assert report.targets[0]["met"] is False and report.targets[0]["misses"]
     from cli.bench import _print_tables
 
     _print_tables(report)
     out = capsys.readouterr().out
     assert "nng/auto->ipc" in out and "2.00x" in out
+    assert "x bound" in out and "memcpy (bound)" in out and "12.3k msg/s" in out
 
 
 # --------------------------------------------------------------------------- two hosts
