@@ -13,8 +13,8 @@ from typing import Any
 
 import click
 
-from mq.tools import bench as lib
 from mq.errors import ConfigError
+from mq.tools import bench as lib
 
 __all__ = ["bench"]
 

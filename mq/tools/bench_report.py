@@ -221,14 +221,14 @@ def to_markdown(report: Report) -> str:
     out = ["# mq bench", "",
            f"Machine: {machine_line(m)}. Run {m.get('date_utc')}"
            + (f", commit {m['git_commit']}" if m.get("git_commit") else "") + ".", "",
-           "Round trip: A sends a tensor, B echoes it (recv then send), A times send -> recv. "
-           "oneway: B answers a tiny ack instead. fanout xN: A publishes to N subscribers and waits "
-           "for all N acks. stream: one sample is a burst of small messages, ordered and checked, "
-           "acked once. Ratio = mq p50 / raw p50 of its baseline, measured interleaved in the same "
-           "run (fan-out N: / the same fan-out to 1). x bound = p50 / the physical bound, one "
-           "memcpy into warm memory measured in the same run, times the memcpys the note says. "
-           "Gbit/s = payloads moved x size / p50. `*` = stopped by --max-seconds before its target "
-           "sample count.", ""]
+           ("Round trip: A sends a tensor, B echoes it (recv then send), A times send -> recv. "
+            "oneway: B answers a tiny ack instead. fanout xN: A publishes to N subscribers and waits "
+            "for all N acks. stream: one sample is a burst of small messages, ordered and checked, "
+            "acked once. Ratio = mq p50 / raw p50 of its baseline, measured interleaved in the same "
+            "run (fan-out N: / the same fan-out to 1). x bound = p50 / the physical bound, one "
+            "memcpy into warm memory measured in the same run, times the memcpys the note says. "
+            "Gbit/s = payloads moved x size / p50. `*` = stopped by --max-seconds before its target "
+            "sample count."), ""]
     if report.links:
         out += ["## Link ceilings (raw socket stream, one direction)", "", "| hosts | link | Gbit/s | note |",
                 "|---|---|---|---|"]
@@ -249,8 +249,8 @@ def to_markdown(report: Report) -> str:
             out.append(f"- **{mark}**: {t['target']} (worst: {t['worst']}){detail}")
         out.append("")
     out += ["## All rows", "",
-            "| row | size | samples | min ms | p50 ms | p99 ms | max ms | Gbit/s | baseline p50 ms | ratio "
-            "| x bound | note |",
+            ("| row | size | samples | min ms | p50 ms | p99 ms | max ms | Gbit/s | baseline p50 ms "
+             "| ratio | x bound | note |"),
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report.rows:
         note = row_note(r).replace("|", "/")

@@ -22,7 +22,7 @@ import traceback
 import warnings
 from typing import Any
 
-from mq.tools.bench_units import GB, MB, MAX_SIZE
+from mq.tools.bench_units import GB, MAX_SIZE, MB
 
 CONNECT_TIMEOUT_S = 90.0  # spawn + import torch + rendezvous, on a loaded 2-core machine
 
