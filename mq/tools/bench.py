@@ -560,7 +560,7 @@ class _Runner:
     def _raw_cases(self, hosts: str, name: str, mq_cases: list[_Case], reason: str | None = None) -> list[_Case]:
         if not self.cfg.baselines:
             return []
-        raws: dict[str, _Case] = {}
+        raws: dict[tuple[str, str], _Case] = {}  # (mq type, route) -> its one case
 
         def raw(mq_type: str, route: str, device: str, mode: str) -> _Case:
             if (mq_type, route) not in raws:
