@@ -8,7 +8,7 @@ setup(
     description="Point-to-point messaging for distributed reinforcement learning (NNG and torch RPC backends)",
     python_requires=">=3.10",
     # cli/ sits at the top of the repo but installs as mq.cli: no top-level `cli` in site-packages.
-    packages=["mq", "mq.backends", "mq.cli"],
+    packages=["mq", "mq.backends", "mq.tools", "mq.cli"],
     package_dir={"mq": "mq", "mq.cli": "cli"},
     install_requires=[
         "numpy>=1.24",
@@ -20,10 +20,10 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90"],
-        "bench": ["matplotlib>=3.7"],
+        "bench": ["matplotlib>=3.7", "pyzmq>=25"],
         "gpu": ["nvidia-ml-py>=12"],
         "atari": ["gymnasium>=1.0", "ale-py>=0.12"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", "matplotlib>=3.7", "ruff"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", "matplotlib>=3.7", "pyzmq>=25", "ruff"],
     },
     entry_points={"console_scripts": ["mq=mq.cli.main:main"]},
 )

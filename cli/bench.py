@@ -1,8 +1,8 @@
 """`mq bench`: the point-to-point latency table (see DESIGN.md, "Benchmarks").
 
-Thin: parses options into :class:`mq.bench.BenchConfig`, shows progress, prints or writes the
-:class:`mq.bench.Report`. The measuring lives in :mod:`mq.bench`, the second host in
-:mod:`mq.netns`.
+Thin: parses options into :class:`mq.tools.bench.BenchConfig`, shows progress, prints or writes the
+:class:`mq.tools.bench.Report`. The measuring lives in :mod:`mq.tools.bench`, the second host in
+:mod:`mq.tools.netns`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,18 @@ from typing import Any
 
 import click
 
-from mq import bench as lib
 from mq.errors import ConfigError
+from mq.tools import bench as lib
 
 __all__ = ["bench"]
 
 FORMATS = ("table", "json", "csv", "md")
 SUITE_MAX_SECONDS = 90.0
+STREAM_SIZE = 256  # bytes per stream message when --sizes is not given: 64 float32
+MB = 1 << 20
+# The suite's modes besides round trip stop at these sizes, so its total stays near what the
+# round-trip table alone takes (the 640 MB and 1.25 GB sizes are round trip only).
+SUITE_MODE_MAX_SIZE = {"oneway": 40 * MB, "fanout": 10 * MB}
 
 
 class _OneLineErrors(click.Command):
@@ -51,11 +56,21 @@ def _fail(message: str) -> click.ClickException:
 @click.option("--route", "routes", multiple=True, type=click.Choice(lib.NNG_ROUTES),
               help="nng route (the nng `protocol` option); repeatable. Default: auto, tcp and ipc. "
                    "torchrpc rows always use auto.")
+@click.option("--mode", "modes", multiple=True, type=click.Choice(lib.MODES),
+              help="roundtrip (default): B echoes; oneway: B acks with a tiny message; fanout: A "
+                   "publishes to --subscribers peers and waits for every ack (also measured with one "
+                   "subscriber, for the ratio); stream: bursts of --messages small messages, "
+                   "lossless and in order, against raw pynng Push0/Pull0. Repeatable.")
+@click.option("--subscribers", type=click.IntRange(1), default=4, show_default=True,
+              help="fanout: subscribers of the publisher, each its own process.")
+@click.option("--messages", type=click.IntRange(1), default=1000, show_default=True,
+              help="stream: messages per sample (the receiver acks each burst once).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="where the payload tensor lives.")
 @click.option("--sizes", default=None, metavar="LIST",
-              help="comma-separated sizes, e.g. 1.25KB,20KB (binary units; at most 2.5GB). "
-                   "Default: 1.25KB,20KB,1.25MB,10MB,40MB,640MB,1.25GB.")
+              help="comma-separated sizes, e.g. 1.25KB,20KB (binary units; at most 2.5GB); for "
+                   "stream, the size of each message. Default: 1.25KB,20KB,1.25MB,10MB,40MB,640MB,"
+                   "1.25GB (stream: 256B).")
 @click.option("--max-seconds", type=float, default=None,
               help=f"time limit per row and size, warm-up included; a row past it is reported as "
                    f"skipped with its samples so far. Default 10 ({SUITE_MAX_SECONDS:g} with --suite).")
@@ -70,7 +85,8 @@ def _fail(message: str) -> click.ClickException:
                    "(root and iproute2 needed).")
 @click.option("--suite", is_flag=True,
               help="the full table: every mq type and route this machine has, same host and "
-                   "--two-hosts; writes json/csv/md/png into --out (default bench-results/).")
+                   "--two-hosts, round trip at every size plus oneway (to 40MB), fanout (to 10MB) "
+                   "and stream; writes json/csv/md/png into --out (default bench-results/).")
 @click.option("--no-baseline", is_flag=True, help="skip the raw pynng / raw torch RPC rows.")
 @click.option("--no-links", is_flag=True, help="skip the raw socket stream (link ceiling) measurement.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
@@ -80,12 +96,14 @@ def _fail(message: str) -> click.ClickException:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG: latency vs size (log-log) and ratio vs size.")
 @click.option("-q", "--quiet", is_flag=True, help="no progress display.")
-def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], device: str, sizes: str | None,
+def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, ...],
+          subscribers: int, messages: int, device: str, sizes: str | None,
           max_seconds: float | None, target_seconds: float, min_samples: int, max_samples: int,
           warmup: int, two_hosts: bool, suite: bool, no_baseline: bool, no_links: bool, fmt: str,
           out_dir: str | None, plot_path: str | None, quiet: bool) -> None:
-    """Round-trip latency between two processes per mq type, route and size, against raw pynng
-    and raw torch RPC measured in the same run (interleaved), with the mq / raw p50 ratio."""
+    """Latency (round trip, one-way, fan-out) and stream throughput between processes per mq
+    type, route and size, against raw pynng, raw pyzmq and raw torch RPC and the memcpy bound
+    measured in the same run (interleaved), with the mq / raw and mq / bound p50 ratios."""
     from mq.registry import MQ_TYPES, check_mq_type
 
     try:
@@ -102,13 +120,18 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], device: str, sizes
 
     hosts = ["same", "two"] if suite else (["two"] if two_hosts else ["same"])
     if two_hosts and not suite:
-        from mq.netns import unavailable
+        from mq.tools.netns import unavailable
 
         reason = unavailable()
         if reason:
             raise click.ClickException(f"--two-hosts: {reason}")
     devices: dict[str, str] = {}
+    modes = tuple(lib.MODES) if suite else (modes or ("roundtrip",))
+    # A stream message is small unless --sizes says otherwise (the suite's always is).
+    mode_sizes = {} if sizes and not suite else {"stream": [STREAM_SIZE]}
     if suite:
+        mode_sizes.update({m: [s for s in size_list if s <= cap] or size_list[:1]
+                           for m, cap in SUITE_MODE_MAX_SIZE.items()})
         out_dir = out_dir or "bench-results"
         plot_path = plot_path or os.path.join(out_dir, "bench.png")
         if device == "cpu" and lib.cuda_available():
@@ -118,7 +141,8 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], device: str, sizes
         sizes=size_list, hosts=hosts,
         max_seconds=max_seconds if max_seconds is not None else (SUITE_MAX_SECONDS if suite else 10.0),
         target_seconds=target_seconds, min_samples=min_samples, max_samples=max_samples,
-        warmup=warmup, baselines=not no_baseline, links=not no_links,
+        warmup=warmup, baselines=not no_baseline, links=not no_links, modes=list(modes),
+        subscribers=subscribers, messages=messages, mode_sizes=mode_sizes,
     )
     try:
         cfg.validate()
@@ -156,7 +180,7 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], device: str, sizes
 
 # ------------------------------------------------------------------------------- progress
 class _progress:
-    """A rich progress display on stderr fed by mq.bench's progress events."""
+    """A rich progress display on stderr fed by mq.tools.bench's progress events."""
 
     def __init__(self, quiet: bool):
         self.quiet = quiet
@@ -196,7 +220,7 @@ class _progress:
 # ------------------------------------------------------------------------------- tables
 def _ratio_style(r: dict[str, Any]) -> str:
     ratio = r["ratio"]
-    if ratio is None:
+    if ratio is None or r.get("mode") == "fanout":  # compared with itself, not a raw library
         return ""
     limit = 1.15 if r["mq_type"] == "torchrpc:cpu" else (1.25 if r["mq_type"] == "nng" and r["size_bytes"] <= 20 * 1024 else 1.5)
     return "green" if ratio <= limit else ("yellow" if ratio <= 1.5 else "red")
@@ -217,10 +241,11 @@ def _print_tables(report: lib.Report) -> None:
             t.add_row(link["hosts"], link["link"], "-" if link["gbps"] is None else f"{link['gbps']:.1f}",
                       link.get("error") or "")
         console.print(t)
-    t = Table(title="round trip (A send -> B recv+send -> A recv), ms", title_justify="left")
+    t = Table(title="ms per sample: round trip (A send -> B recv+send -> A recv) unless the row names "
+                    "its mode; x bound = p50 / the memcpys the note names", title_justify="left")
     for col, just in (("row", "left"), ("size", "right"), ("samples", "right"), ("min", "right"),
                       ("p50", "right"), ("p99", "right"), ("max", "right"), ("Gbit/s", "right"),
-                      ("raw p50", "right"), ("ratio", "right"), ("note", "left")):
+                      ("raw p50", "right"), ("ratio", "right"), ("x bound", "right"), ("note", "left")):
         t.add_column(col, justify=just, overflow="fold")
     last = None
     for r in report.rows:
@@ -232,7 +257,8 @@ def _print_tables(report: lib.Report) -> None:
         t.add_row(label if label != last else "", r["size"], str(r["samples"]), lib.fmt_ms(r["min_ms"]),
                   lib.fmt_ms(r["p50_ms"]), lib.fmt_ms(r["p99_ms"]), lib.fmt_ms(r["max_ms"]),
                   "-" if r["gbps"] is None else f"{r['gbps']:.3g}", lib.fmt_ms(r["baseline_p50_ms"]),
-                  f"[{style}]{ratio}[/{style}]" if style else ratio, r["reason"] or "")
+                  f"[{style}]{ratio}[/{style}]" if style else ratio, lib.fmt_ratio(r.get("ratio_bound")),
+                  lib.row_note(r))
         last = label
     console.print(t)
     for target in report.targets:

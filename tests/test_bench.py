@@ -5,6 +5,7 @@ No timing assertions: numbers come from the benchmark, tests only check its shap
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -17,16 +18,17 @@ import pytest
 from click.testing import CliRunner
 
 from cli.bench import bench
-from mq import bench as lib
-from mq import netns
+from mq.tools import bench as lib
+from mq.tools import netns
 
+ZMQ = importlib.util.find_spec("zmq") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_NETNS = netns.unavailable()
 needs_netns = pytest.mark.skipif(NO_NETNS is not None, reason=f"cannot create namespaces: {NO_NETNS}")
 
 ROW_KEYS = {"mq_type", "route", "device", "size_bytes", "samples", "min_ms", "p50_ms", "p99_ms",
             "max_ms", "gbps", "baseline", "baseline_p50_ms", "ratio", "skipped", "reason", "kind",
-            "hosts", "resolved_route"}
+            "hosts", "resolved_route", "mode", "bound_ms", "ratio_bound", "bound_copies", "payloads"}
 MACHINE_KEYS = {"cpu", "cores", "memory", "memory_gib", "kernel", "python", "torch", "pynng", "hostname"}
 SMALL = ["--sizes", "1.25KB,20KB", "--max-seconds", "8", "--target-seconds", "0.2",
          "--min-samples", "3", "--max-samples", "40", "--warmup", "2", "-q"]
@@ -51,8 +53,25 @@ def _check_rows(rows: list[dict]) -> None:
             assert r["ratio"] == pytest.approx(r["p50_ms"] / r["baseline_p50_ms"], rel=1e-3)
         if r["skipped"]:
             assert r["reason"], r
-        if r["kind"] == "raw":
+        if r["kind"] in ("raw", "bound"):
             assert r["baseline"] is None and r["ratio"] is None
+        if r["ratio_bound"] is not None:
+            assert r["ratio_bound"] == pytest.approx(r["p50_ms"] / r["bound_ms"], rel=1e-3)
+    bound = [r for r in rows if r["kind"] == "bound"]
+    assert bound, "no physical-bound row"
+    for r in bound:
+        assert r["mq_type"] == "memcpy" and r["bound_copies"] == 1
+        if r["samples"]:
+            assert r["ratio_bound"] == pytest.approx(1.0)
+
+
+def _run_json(args: list[str]) -> list[dict]:
+    """``mq bench ARGS -q --format json``: its rows, checked for shape."""
+    result = _invoke([*args, "-q", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(_stdout(result))["rows"]
+    _check_rows(rows)
+    return rows
 
 
 def _our_namespaces(pid: int) -> list[str]:
@@ -91,10 +110,13 @@ def test_format_size_round_trips_the_default_sizes():
     (["--format", "yaml"], "yaml"),
     (["--max-seconds", "-1"], "--max-seconds"),
     (["--sizes", "3GB"], "2.5GB"),
+    (["--mode", "nope"], "nope"),
+    (["--subscribers", "0"], "--subscribers"),
+    (["--messages", "0"], "--messages"),
 ])
-def test_bad_options_exit_nonzero_with_one_line(args, word):
+def test_bad_options_exit_2_with_one_line(args, word):
     result = _invoke(args)
-    assert result.exit_code != 0
+    assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1, result.output
     assert lines[0].startswith("Error:") and word in lines[0]
@@ -121,6 +143,12 @@ def test_bench_nng_tcp_ipc_json_end_to_end(tmp_path):
             assert r["ratio"] is not None
             raw = by[("raw:pynng", route, size)]
             assert raw["samples"] >= 1 and raw["p50_ms"] == r["baseline_p50_ms"]
+    assert {r["size_bytes"] for r in rows if r["kind"] == "bound" and r["samples"]} == {1280, 20480}
+    for r in rows:
+        if r["kind"] != "bound" and r["samples"]:
+            assert r["mode"] == "roundtrip" and r["bound_copies"] == 2 and r["ratio_bound"] > 0
+    if ZMQ:
+        assert all(by[("raw:pyzmq", route, size)]["samples"] >= 1 for route in ("tcp", "ipc") for size in (1280, 20480))
     assert {link["link"] for link in report["links"]} == {"loopback tcp", "unix socket"}
     assert all(link["gbps"] and link["gbps"] > 0 for link in report["links"]), report["links"]
     assert [t["target"] for t in report["targets"]] == [t[0] for t in lib.TARGETS]
@@ -133,6 +161,66 @@ def test_bench_nng_tcp_ipc_json_end_to_end(tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(180)
+def test_oneway_rows_and_the_by_handle_row():
+    rows = _run_json(["--mq-type", "nng", "--route", "ipc", "--mode", "oneway", "--no-links", *SMALL[:-1]])
+    by = {(r["mq_type"], r["route"], r["size_bytes"]): r for r in rows}
+    for size in (1280, 20480):
+        r = by[("nng", "ipc", size)]
+        assert r["mode"] == "oneway" and r["samples"] >= 1 and r["bound_copies"] == 1 and r["payloads"] == 1
+        assert r["baseline"] == "raw:pynng/ipc" and r["ratio"] is not None and r["ratio_bound"] > 0
+        assert by[("raw:pynng", "ipc", size)]["mode"] == "oneway"
+        handle = by[("nng", "handle", size)]
+        if handle["skipped"] and not handle["samples"]:  # until mq has its shared-memory pool API
+            assert handle["reason"] == "mq has no shared-memory pool API", handle
+        else:
+            assert handle["samples"] >= 1 and handle["baseline"] == "raw:pynng/ipc"
+
+
+@pytest.mark.timeout(240)
+def test_fanout_reports_n_subscribers_against_one():
+    rows = _run_json(["--mq-type", "nng", "--route", "ipc", "--mode", "fanout", "--subscribers", "2",
+                      "--sizes", "1.25KB", "--max-seconds", "15", "--target-seconds", "0.2",
+                      "--min-samples", "3", "--max-samples", "20", "--warmup", "1", "--no-links"])
+    fan = {r["subscribers"]: r for r in rows if r["kind"] == "mq"}
+    assert set(fan) == {1, 2}
+    two, one = fan[2], fan[1]
+    assert two["mode"] == one["mode"] == "fanout" and two["payloads"] == 2 and two["bound_copies"] == 1
+    assert one["samples"] >= 1 and two["samples"] >= 1, (one, two)
+    assert two["baseline"] == "nng/ipc fanout x1" and two["ratio"] is not None
+    assert one["baseline"] is None
+    assert not [r for r in rows if r["kind"] == "raw"]
+    assert "fanout x2" in lib.row_label(two)
+
+
+@pytest.mark.timeout(180)
+def test_stream_is_lossless_and_compared_with_raw_push_pull():
+    rows = _run_json(["--mq-type", "nng", "--route", "ipc", "--mode", "stream", "--messages", "50",
+                      "--max-seconds", "8", "--target-seconds", "0.2", "--min-samples", "3",
+                      "--max-samples", "20", "--warmup", "1", "--no-links"])
+    by = {(r["kind"], r["mq_type"]): r for r in rows}
+    assert {r["size_bytes"] for r in rows} == {256}  # the default stream message: 64 float32
+    for key in (("mq", "nng"), ("raw", "raw:pynng")):
+        r = by[key]
+        assert r["mode"] == "stream" and r["messages"] == 50 and r["samples"] >= 1, r
+        assert r["lossless"] is True
+        assert r["msgs_per_s"] > 0 and r["mb_per_s"] > 0
+        assert r["msgs_per_s"] == pytest.approx(50 / (r["p50_ms"] / 1e3), rel=1e-3)
+    assert by["mq", "nng"]["baseline"] == "raw:pynng/ipc" and by["mq", "nng"]["ratio"] is not None
+
+
+@pytest.mark.timeout(10)
+def test_stream_receiver_counts_gaps_and_the_sender_rejects_them():
+    from mq.tools.bench_workers import _check_stream_ack, _Sequence
+
+    seq = _Sequence(3)
+    assert [seq.feed(i) for i in range(3)] == [None, None, (3, 0)]
+    _check_stream_ack((3, 0), 3)
+    assert [seq.feed(i) for i in (3, 5)] == [None, (6, 1)]  # 4 was lost
+    with pytest.raises(RuntimeError, match="lost or reordered"):
+        _check_stream_ack((6, 1), 6)
+
+
 @pytest.mark.timeout(120)
 def test_a_size_past_max_seconds_is_skipped_with_its_samples_so_far():
     result = _invoke(["--mq-type", "nng", "--route", "tcp", "--sizes", "1.25KB,20KB",
@@ -140,6 +228,7 @@ def test_a_size_past_max_seconds_is_skipped_with_its_samples_so_far():
     assert result.exit_code == 0, result.output
     rows = json.loads(_stdout(result))["rows"]
     _check_rows(rows)
+    rows = [r for r in rows if r["kind"] == "mq"]
     assert [r["size_bytes"] for r in rows] == [1280, 20480]
     assert all(r["skipped"] for r in rows)
     assert "--max-seconds" in rows[0]["reason"] and rows[0]["samples"] == 0
@@ -154,7 +243,9 @@ def test_unavailable_mq_type_rows_are_skipped_with_a_reason(monkeypatch):
     assert result.exit_code == 0, result.output
     lines = _stdout(result).splitlines()
     assert lines[0].split(",") == list(lib.ROW_FIELDS)
-    assert len(lines) == 2 and "not on this machine (test)" in lines[1] and ",True," in lines[1]
+    mine = [line for line in lines[1:] if line.startswith("mq,torchrpc:cpu,")]
+    assert len(mine) == 1 and "not on this machine (test)" in mine[0] and ",True," in mine[0]
+    assert [line.split(",")[0] for line in lines[1:]] == ["bound", "mq"]  # the memcpy bound still runs
 
 
 @pytest.mark.timeout(10)
@@ -171,16 +262,24 @@ def test_markdown_and_table_render_a_synthetic_report(capsys):
          "baseline": None, "baseline_p50_ms": None, "ratio": None, "skipped": False,
          "reason": None, "seconds": 1.0, "link_bytes": None},
     ]
+    stream = dict(rows[0], mode="stream", messages=1000, msgs_per_s=12345.0, mb_per_s=3.2, lossless=True,
+                  bound_copies=1000, ratio_bound=40.0, route="ipc", resolved_route="ipc")
+    bound = dict(rows[1], kind="bound", mq_type="memcpy", route="warm", mode="bound", bound_copies=1,
+                 ratio_bound=1.0)
+    rows += [stream, bound]
     report = lib.Report(machine={"cpu": "x", "cores": 2}, rows=rows, links=[], config={},
                         targets=lib._targets(rows))
     md = lib.to_markdown(report)
     assert "| nng/auto->ipc | 0.2 (2.00x) |" in md
+    assert "| x bound |" in md and "| memcpy (bound) | 1.25 KB |" in md
+    assert "| nng/ipc stream | 1.25 KB |" in md and "12.3k msg/s, 3.2 MB/s, lossless; bound: 1000 memcpy" in md
     assert report.targets[0]["met"] is False and report.targets[0]["misses"]
     from cli.bench import _print_tables
 
     _print_tables(report)
     out = capsys.readouterr().out
     assert "nng/auto->ipc" in out and "2.00x" in out
+    assert "x bound" in out and "memcpy (bound)" in out and "12.3k msg/s" in out
 
 
 # --------------------------------------------------------------------------- two hosts
@@ -235,6 +334,7 @@ def test_bench_two_hosts_end_to_end_and_namespaces_gone():
     report = json.loads(_stdout(result))
     rows = report["rows"]
     _check_rows(rows)
+    rows = [r for r in rows if r["kind"] != "bound"]  # the memcpy bound is a same-host fact
     assert {r["hosts"] for r in rows} == {"two"}
     for r in rows:
         assert r["samples"] >= 1, r

@@ -1,6 +1,6 @@
 """The demo job of the README: one learner and collectors trade the traffic of an RL job.
 
-    mq run --main mq.demo:main -n 3 --labels learner --labels collector --labels collector
+    mq run --main mq.tools.demo:main -n 3 --labels learner --labels collector --labels collector
 
 The learner publishes a 10 MB weight tensor; each collector answers with a dict of transition
 arrays and calls the learner for its stats; every node prints the route it took to each peer.

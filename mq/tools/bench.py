@@ -1,0 +1,844 @@
+"""``mq bench``: point-to-point latency and throughput of mq against raw pynng, raw pyzmq, raw
+torch RPC and the physical bound.
+
+What is measured (``modes``; A and B are processes started with the ``spawn`` method; with
+``two_hosts`` B runs in its own network, PID and IPC namespaces joined to A by a veth pair,
+:mod:`mq.tools.netns`). A times each sample with ``perf_counter_ns``:
+
+- ``roundtrip`` (default): A sends a tensor of ``size`` bytes, B echoes it (``recv`` then ``send``).
+- ``oneway``: A sends it, B drops it and answers a tiny ack.
+- ``fanout``: A ``publish``-es it to ``subscribers`` B processes and waits for every ack; the same
+  run measures the fan-out to one subscriber, the baseline of the N row.
+- ``stream``: A sends ``messages`` small messages (``{"i": counter, "x": size bytes}``) as fast as
+  backpressure lets it, B checks the counters arrive in order without gaps and acks each burst.
+
+Every mq row has a baseline measured in the same run, interleaved with it batch by batch so
+machine noise hits both:
+
+==================  ===========================================================================
+mq row              baseline
+==================  ===========================================================================
+nng, route tcp      raw pynng ``Pair0`` over tcp (loopback, or the veth with two hosts)
+nng, route ipc      raw pynng ``Pair0`` over ipc (unix socket)
+nng, route auto     the raw pynng family of the route mq took (``ipc`` same host, ``tcp`` across)
+nng, route handle   (one-way, same host) the payload lives in mq's shared-memory pool
+                    (``q.alloc``) and goes by handle; baseline raw pynng ipc. Skipped while mq
+                    has no ``alloc``/``wait_released``.
+nng stream          raw pynng ``Push0``/``Pull0`` streaming the same count, acks on a second pair
+nng fan-out N       the same fan-out to one subscriber
+torchrpc:cpu        raw ``rpc_sync(peer, _echo, args=(tensor,))`` on TensorPipe, no device maps
+torchrpc:cuda       raw ``rpc_sync`` with device maps (tensors stay on the GPU)
+==================  ===========================================================================
+
+Raw pynng only sends ``bytes``, so its round trip is ``tensor.numpy().tobytes()`` -> ``send``
+... ``recv()`` -> ``torch.frombuffer``: what a user of pynng would write. Raw pyzmq rows (round
+trip and one-way, when pyzmq is installed) use its zero-copy API (``send(copy=False)``,
+``np.frombuffer(frame.buffer)``): nobody's baseline, a reference of what zero-copy sockets do.
+
+The physical bound is one memcpy of ``size`` bytes into warm memory (allocated once per size and
+faulted in first), measured by its own worker interleaved with the first group that has that
+size. Each row's ``ratio_bound`` is its p50 over the memcpys it needs at least
+(``bound_copies``: 2 for a round trip, 1 for one-way and fan-out, ``messages`` for a stream).
+
+Sampling: per (row, size) a warm-up (excluded) estimates one round trip; the row then takes
+``target_seconds`` worth of samples (clamped to ``min_samples..max_samples``) in batches of
+about ``batch_seconds``, alternating with the other rows of its group. ``max_seconds`` bounds
+each (row, size) including its warm-up: a row that reaches it stops and is reported
+``skipped`` with the samples it has. Every wait has a timeout and every worker is killed at
+the end, so a hung peer turns into a skipped row with a reason, never a hung benchmark.
+
+The library part (:func:`run`) returns a :class:`Report`; :mod:`mq.cli.bench` prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import math
+import multiprocessing as mp
+import multiprocessing.spawn as mp_spawn
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from mq.errors import ConfigError
+from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
+    ROW_FIELDS, TARGETS, Report, _read, _targets, fmt_ms, fmt_ratio, machine_info, machine_line,
+    pivot, plot, row_label, row_note, to_csv, to_json, to_markdown, write_all,
+)
+from mq.tools.bench_units import (  # noqa: F401
+    DEFAULT_SIZES, GB, KB, MAX_SIZE, MB, format_size, parse_size, parse_sizes,
+)
+from mq.tools.bench_workers import CONNECT_TIMEOUT_S, MODES, _hard_timeout, _worker
+
+log = logging.getLogger("mq.tools.bench")
+
+__all__ = [
+    "BenchConfig",
+    "DEFAULT_SIZES",
+    "Report",
+    "ROW_FIELDS",
+    "format_size",
+    "machine_info",
+    "parse_size",
+    "parse_sizes",
+    "plot",
+    "run",
+    "to_csv",
+    "to_json",
+    "to_markdown",
+]
+
+# ---------------------------------------------------------------------------------- config
+NNG_ROUTES = ("auto", "tcp", "ipc")
+HOSTS = ("same", "two")
+
+
+@dataclass
+class BenchConfig:
+    """What to measure. See the module docstring for the sampling rules."""
+
+    mq_types: Sequence[str] = ("nng", "torchrpc:cpu", "torchrpc:cuda")
+    routes: Sequence[str] = NNG_ROUTES  # for nng; torch RPC rows are always "auto"
+    device: str = "cpu"  # payload device for every row...
+    devices: dict[str, str] = field(default_factory=dict)  # ...unless set per mq type here
+    sizes: Sequence[int] = DEFAULT_SIZES
+    hosts: Sequence[str] = ("same",)
+    max_seconds: float = 10.0
+    target_seconds: float = 2.0
+    batch_seconds: float = 0.25
+    min_samples: int = 5
+    max_samples: int = 2000
+    warmup: int = 5
+    baselines: bool = True
+    links: bool = True  # measure raw socket stream ceilings (loopback/unix, veth)
+    link_seconds: float = 2.0
+    modes: Sequence[str] = ("roundtrip",)
+    subscribers: int = 4  # fan-out: N subscribers (and the same run with 1, for the ratio)
+    messages: int = 1000  # stream: messages per sample (one ack per burst)
+    mode_sizes: dict[str, Sequence[int]] = field(default_factory=dict)  # sizes per mode, if not `sizes`
+
+    def validate(self) -> "BenchConfig":
+        from mq.registry import check_mq_type
+
+        self.mq_types = list(dict.fromkeys(check_mq_type(t) for t in self.mq_types))
+        if not self.mq_types:
+            raise ConfigError("no mq type to measure: give --mq-type nng (or torchrpc:cpu, torchrpc:cuda)")
+        for r in self.routes:
+            if r not in NNG_ROUTES:
+                raise ConfigError(f"route {r!r} is not one of {', '.join(NNG_ROUTES)}")
+        self.routes = list(dict.fromkeys(self.routes)) or ["auto"]
+        for d in [self.device, *self.devices.values()]:
+            if d not in ("cpu", "cuda"):
+                raise ConfigError(f"device {d!r} must be cpu or cuda")
+        for h in self.hosts:
+            if h not in HOSTS:
+                raise ConfigError(f"hosts {h!r} must be one of {', '.join(HOSTS)}")
+        self.sizes = [int(s) for s in self.sizes]
+        if not self.sizes or any(s < 1 or s > MAX_SIZE for s in self.sizes):
+            raise ConfigError("sizes must be between 1 byte and 2.5GB")
+        if self.max_seconds <= 0 or self.target_seconds <= 0 or self.batch_seconds <= 0:
+            raise ConfigError("max_seconds, target_seconds and batch_seconds must be positive")
+        if self.min_samples < 1 or self.max_samples < self.min_samples:
+            raise ConfigError("need 1 <= min_samples <= max_samples")
+        if self.warmup < 1:
+            raise ConfigError("warmup must be >= 1 (the first round trip of a size is never a sample)")
+        for m in self.modes:
+            if m not in MODES:
+                raise ConfigError(f"mode {m!r} is not one of {', '.join(MODES)}")
+        self.modes = list(dict.fromkeys(self.modes)) or ["roundtrip"]
+        if self.subscribers < 1 or self.messages < 1:
+            raise ConfigError("subscribers and messages must be >= 1")
+        for m, sizes in self.mode_sizes.items():
+            if m not in MODES or any(s < 1 or s > MAX_SIZE for s in sizes):
+                raise ConfigError(f"mode_sizes[{m!r}]: a mode with sizes between 1 byte and 2.5GB")
+        return self
+
+    def device_for(self, mq_type: str) -> str:
+        return self.devices.get(mq_type, self.device)
+
+    def sizes_for(self, mode: str) -> list[int]:
+        return [int(s) for s in (self.mode_sizes.get(mode) or self.sizes)]
+
+    def all_sizes(self) -> list[int]:
+        """Every size some mode measures: the sizes of the physical-bound row."""
+        return sorted({s for m in self.modes for s in self.sizes_for(m)})
+
+
+
+# ============================================================================= orchestrator
+class _WorkerFailed(Exception):
+    """A worker answered with an error, died, or did not answer in time."""
+
+
+class _Proc:
+    """One spawned worker and its command pipe."""
+
+    def __init__(self, ctx: Any, role: str, spec: dict[str, Any], executable: str | None = None):
+        self.role = role
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(role, spec, child), daemon=True,
+                                name=f"mq-bench-{spec['kind']}-{role}")
+        old = mp_spawn.get_executable()
+        if executable:
+            mp_spawn.set_executable(executable)
+        try:
+            self.proc.start()
+        finally:
+            if executable:
+                mp_spawn.set_executable(old)
+        child.close()
+
+    def send(self, op: str, arg: Any = None) -> None:
+        try:
+            self.conn.send((op, arg))
+        except (OSError, ValueError) as exc:
+            raise _WorkerFailed(f"worker {self.role} is gone ({self._exit()}): {exc}") from None
+
+    def recv(self, want: str, timeout: float) -> Any:
+        try:
+            if not self.conn.poll(timeout):
+                raise _WorkerFailed(f"worker {self.role} did not answer within {timeout:.0f}s")
+            msg = self.conn.recv()
+        except (EOFError, OSError):
+            raise _WorkerFailed(f"worker {self.role} died ({self._exit()})") from None
+        if msg[0] == "error":
+            log.debug("worker %s failed:\n%s", self.role, msg[2])
+            raise _WorkerFailed(f"worker {self.role}: {msg[1]}")
+        if msg[0] != want:
+            raise _WorkerFailed(f"worker {self.role} answered {msg[0]!r}, expected {want!r}")
+        return msg[1]
+
+    def request(self, op: str, arg: Any, want: str, timeout: float) -> Any:
+        self.send(op, arg)
+        return self.recv(want, timeout)
+
+    def _exit(self) -> str:
+        self.proc.join(0.5)
+        code = self.proc.exitcode
+        if code is None:
+            return "still running"
+        return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.proc.is_alive():
+                self.proc.kill()
+        with contextlib.suppress(Exception):
+            self.proc.join(5)
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+@dataclass(eq=False)
+class _Case:
+    """One row kind: an mq configuration, a raw baseline or the memcpy bound, with its workers
+    (A, and one B per subscriber: none for the bound)."""
+
+    kind: str  # "mq" | "raw" | "bound"
+    mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:rpc, raw:rpc-cuda | memcpy
+    route: str  # requested: auto/tcp/ipc/handle (mq), tcp/ipc (raw sockets), auto (rpc), warm (bound)
+    device: str
+    hosts: str
+    mode: str = "roundtrip"  # see MODES; "bound" for the memcpy row
+    subscribers: int = 1  # B processes
+    resolved_route: str | None = None
+    baseline: "_Case | None" = None
+    unavailable: str | None = None  # never started: why
+    broken: str | None = None  # stopped working: why
+    broken_at: int | None = None
+    a: _Proc | None = None
+    bs: list[_Proc] = field(default_factory=list)
+    listen_info: dict[str, Any] = field(default_factory=dict)
+    results: dict[int, "_SizeResult"] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        where = " (two hosts)" if self.hosts == "two" else ""
+        fan = f" x{self.subscribers}" if self.mode == "fanout" else ""
+        return f"{self.mq_type}/{self.route} {self.mode}{fan}{where}"
+
+    @property
+    def procs(self) -> list[_Proc]:
+        return [p for p in (self.a, *self.bs) if p is not None]
+
+    @property
+    def alive(self) -> bool:
+        return self.unavailable is None and self.broken is None and self.a is not None
+
+    def spec(self, host: str, messages: int) -> dict[str, Any]:
+        kind = {"mq": "mq", "bound": "bound"}.get(self.kind) or _RAW_KINDS[self.mq_type.split("-")[0]]
+        return {"kind": kind, "mq_type": self.mq_type, "route": self.route, "device": self.device,
+                "host": host, "device_maps": self.mq_type == "raw:rpc-cuda", "mode": self.mode,
+                "subscribers": self.subscribers, "messages": messages}
+
+
+_RAW_KINDS = {"raw:pynng": "pynng", "raw:pyzmq": "zmq", "raw:rpc": "rpc"}
+
+
+@dataclass
+class _SizeResult:
+    samples_ns: list[int] = field(default_factory=list)
+    warm_ns: list[int] = field(default_factory=list)
+    used_s: float = 0.0
+    rt_s: float = 0.0
+    target: int = 0
+    done: bool = False
+    skipped: str | None = None
+    link_bytes: int | None = None
+
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _rpc_unavailable(cuda: bool = False) -> str | None:
+    try:
+        import torch.distributed.rpc as rpc
+
+        if not rpc.is_available():
+            return "this torch build has no torch.distributed.rpc"
+    except Exception as exc:
+        return f"torch.distributed.rpc does not import: {type(exc).__name__}: {exc}"
+    if cuda and not cuda_available():
+        return "no CUDA GPU visible"
+    return None
+
+
+def mq_type_unavailable(mq_type: str) -> str | None:
+    """Why rows of ``mq_type`` cannot be measured on this machine, or None."""
+    from mq.registry import backend_class
+
+    if mq_type.startswith("torchrpc"):
+        reason = _rpc_unavailable(cuda=mq_type == "torchrpc:cuda")
+        if reason:
+            return reason
+    try:
+        backend_class(mq_type)
+    except Exception as exc:
+        module = importlib.util.find_spec("mq.backends.torchrpc") if mq_type.startswith("torchrpc") else True
+        what = "mq.backends.torchrpc is not written yet" if module is None else "its backend does not import"
+        return f"{what} ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _pool_api_missing() -> str | None:
+    """Why the by-handle row cannot run: mq's shared-memory pool API (alloc / wait_released)."""
+    import mq
+
+    if hasattr(mq.MQ, "alloc") and hasattr(mq.MQ, "wait_released"):  # what mq.create returns
+        return None
+    return "mq has no shared-memory pool API"
+
+
+def _zmq_installed() -> bool:
+    return importlib.util.find_spec("zmq") is not None
+
+
+NNG_ONLY_MODES = ("fanout", "stream")  # mq's publish / many small sends; no torch RPC rows
+ZMQ_MODES = ("roundtrip", "oneway")  # modes with a raw pyzmq row
+
+
+class _Runner:
+    def __init__(self, cfg: BenchConfig, progress: Progress | None):
+        self.cfg = cfg
+        self.progress = progress or (lambda event: None)
+        self.ctx = mp.get_context("spawn")
+        self.cases: list[_Case] = []
+        self.links: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.procs: list[_Proc] = []
+        self.two: Any = None  # mq.tools.netns.TwoHosts while running two-hosts rows
+        self.bound = _Case("bound", "memcpy", "warm", "cpu", "same", "bound", subscribers=0)
+
+    # -------------------------------------------------------------- plan
+    def plan(self) -> list[tuple[str, str, list[_Case]]]:
+        """(hosts, group name, mq cases) in run order; raw cases are added per group later."""
+        cfg = self.cfg
+        rpc_types = [t for t in ("torchrpc:cpu", "torchrpc:cuda") if t in cfg.mq_types]
+        nng_only = [m for m in cfg.modes if m in NNG_ONLY_MODES]
+        if rpc_types and nng_only:
+            self.notes.append(f"{' and '.join(nng_only)} measured for nng only (not {', '.join(rpc_types)})")
+        groups = []
+        for hosts in cfg.hosts:
+            for mode in cfg.modes:
+                if "nng" in cfg.mq_types:
+                    groups.append((hosts, "pynng", self._nng_cases(hosts, mode)))
+                for mq_type in rpc_types if mode not in NNG_ONLY_MODES else ():
+                    c = _Case("mq", mq_type, "auto", cfg.device_for(mq_type), hosts, mode)
+                    c.unavailable = mq_type_unavailable(mq_type)
+                    groups.append((hosts, mq_type, [c]))
+        return groups
+
+    def _nng_cases(self, hosts: str, mode: str) -> list[_Case]:
+        cfg = self.cfg
+        cases = []
+        for route in cfg.routes:
+            c = _Case("mq", "nng", route, cfg.device_for("nng"), hosts, mode,
+                      subscribers=cfg.subscribers if mode == "fanout" else 1)
+            if hosts == "two" and route == "ipc":
+                c.unavailable = "ipc (a unix socket) does not cross hosts"
+            cases.append(c)
+            if mode == "fanout" and c.subscribers > 1:  # fan-out N is compared with fan-out 1
+                c.baseline = _Case("mq", "nng", route, c.device, hosts, mode, unavailable=c.unavailable)
+                cases.append(c.baseline)
+        if mode == "oneway" and hosts == "same":
+            c = _Case("mq", "nng", "handle", cfg.device_for("nng"), hosts, mode)
+            c.unavailable = mq_type_unavailable("nng") or _pool_api_missing()
+            cases.append(c)
+        return cases
+
+    # -------------------------------------------------------------- run
+    def run(self) -> None:
+        from mq.tools.netns import signals_raise
+
+        groups = self.plan()
+        self.progress({"event": "start"})
+        with signals_raise():
+            try:
+                self._start_bound()
+                for hosts in self.cfg.hosts:
+                    mine = [g for g in groups if g[0] == hosts]
+                    if hosts == "two":
+                        reason = self._enter_two_hosts()
+                        if reason:
+                            for _, name, cases in mine:
+                                for c in cases:
+                                    c.unavailable = c.unavailable or reason
+                                self._record_unrun(cases + self._raw_cases(hosts, name, cases, reason))
+                            self.notes.append(f"two hosts not measured: {reason}")
+                            continue
+                    try:
+                        if self.cfg.links:
+                            self._measure_links(hosts)
+                        for _, name, cases in mine:
+                            self._run_group(hosts, name, cases)
+                    finally:
+                        if hosts == "two":
+                            self._leave_two_hosts()
+            finally:
+                self._stop_pairs([self.bound])
+                self._kill_all()
+                self._leave_two_hosts()
+
+    def _start_bound(self) -> None:
+        """The memcpy row: one worker for the whole run; it joins every group (see _run_size)
+        and measures each size once, interleaved with the first group that has that size."""
+        self.cases.append(self.bound)
+        self.progress({"event": "total", "add": len(self.cfg.all_sizes())})
+        self._start_pairs("same", [self.bound])
+
+    def _enter_two_hosts(self) -> str | None:
+        from mq.tools.netns import NetnsError, TwoHosts, unavailable
+
+        reason = unavailable()
+        if reason:
+            return reason
+        try:
+            self.two = TwoHosts().create()
+        except NetnsError as exc:
+            return str(exc)
+        self.progress({"event": "note", "text": f"second host: {self.two!r}"})
+        return None
+
+    def _leave_two_hosts(self) -> None:
+        if self.two is not None:
+            self._kill_all()
+            self.two.remove()
+            self.two = None
+
+    def _addr(self, hosts: str) -> tuple[str, str]:
+        """(A's address, B's address) for a pair."""
+        if hosts == "two":
+            return self.two.host_addr, self.two.peer_addr
+        return "127.0.0.1", "127.0.0.1"
+
+    def _env(self, hosts: str, side: str) -> dict[str, str]:
+        if hosts != "two":
+            return {}
+        ifname = self.two.host_if if side == "A" else self.two.peer_if
+        # TensorPipe and gloo pick their interface from these; the hostname resolves to an
+        # address the second host cannot reach.
+        return {"TP_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
+
+    # -------------------------------------------------------------- pairs
+    def _start_pairs(self, hosts: str, cases: list[_Case]) -> None:
+        """Start A and the Bs of every case (concurrently) and connect them; failures mark cases."""
+        host_a, host_b = self._addr(hosts)
+        started = []
+        for c in cases:
+            if c.unavailable:
+                continue
+            try:
+                c.a = self._spawn("A", self._spec(c, host_a, hosts, "A"), hosts)
+                started.append(c)
+            except Exception as exc:
+                c.unavailable = f"could not start: {exc}"
+        for c in list(started):
+            try:
+                c.listen_info = c.a.recv("listening", CONNECT_TIMEOUT_S)  # type: ignore[union-attr]
+                c.bs = [self._spawn("B", self._spec(c, host_b, hosts, "B", i), hosts)
+                        for i in range(c.subscribers)]
+            except _WorkerFailed as exc:
+                self._break(c, f"could not start: {exc}", None)
+                started.remove(c)
+        for c in list(started):
+            try:
+                for b in c.bs:
+                    b.recv("listening", CONNECT_TIMEOUT_S)
+                for p in c.procs:
+                    p.send("connect", c.listen_info)
+            except _WorkerFailed as exc:
+                self._break(c, f"could not start: {exc}", None)
+                started.remove(c)
+        for c in started:
+            try:
+                info = c.a.recv("ready", CONNECT_TIMEOUT_S)  # type: ignore[union-attr]
+                for b in c.bs:
+                    b.recv("ready", CONNECT_TIMEOUT_S)
+                c.resolved_route = info.get("route")
+            except _WorkerFailed as exc:
+                self._break(c, f"could not connect: {exc}", None)
+
+    def _spec(self, c: _Case, host: str, hosts: str, side: str, index: int = 0) -> dict[str, Any]:
+        return {**c.spec(host, self.cfg.messages), "env": self._env(hosts, side), "index": index}
+
+    def _spawn(self, role: str, spec: dict[str, Any], hosts: str) -> _Proc:
+        exe = None
+        if hosts == "two" and role == "B":
+            exe = self.two.wrapper()
+        p = _Proc(self.ctx, role, spec, executable=exe)
+        self.procs.append(p)
+        return p
+
+    def _break(self, c: _Case, why: str, size: int | None) -> None:
+        if c.broken is None and c.unavailable is None:
+            c.broken, c.broken_at = why, size
+        for p in c.procs:
+            p.kill()
+        self.progress({"event": "note", "text": f"{c.name}: {why}"})
+
+    def _stop_pairs(self, cases: list[_Case]) -> None:
+        procs = {p: c for c in cases for p in c.procs}
+        for p, why in self._stop_procs(list(procs)).items():
+            self.notes.append(f"{procs[p].name} side {p.role}: {why}")
+
+    def _stop_procs(self, procs: list[_Proc]) -> dict[_Proc, str]:
+        """Ask workers to stop (they clean up sockets), then kill whatever is left. Returns
+        the errors workers reported on the way out."""
+        errors = {}
+        for p in procs:
+            if p.proc.is_alive():
+                with contextlib.suppress(_WorkerFailed):
+                    p.send("stop")
+        for p in procs:
+            with contextlib.suppress(_WorkerFailed):
+                info = p.recv("stopped", 3.0) if p.proc.is_alive() else None
+                if info and info.get("error"):
+                    errors[p] = info["error"]
+            p.proc.join(2.0)
+            p.kill()
+        return errors
+
+    def _kill_all(self) -> None:
+        for p in self.procs:
+            p.kill()
+        self.procs = [p for p in self.procs if p.proc.is_alive()]
+
+    # -------------------------------------------------------------- groups
+    def _raw_cases(self, hosts: str, name: str, mq_cases: list[_Case], reason: str | None = None) -> list[_Case]:
+        if not self.cfg.baselines:
+            return []
+        raws: dict[tuple[str, str], _Case] = {}  # (mq type, route) -> its one case
+
+        def raw(mq_type: str, route: str, device: str, mode: str) -> _Case:
+            if (mq_type, route) not in raws:
+                r = raws[mq_type, route] = _Case("raw", mq_type, route, device, hosts, mode)
+                if mq_type.startswith("raw:rpc"):
+                    r.unavailable = _rpc_unavailable(cuda=mq_type == "raw:rpc-cuda")
+                r.unavailable = reason or r.unavailable
+            return raws[mq_type, route]
+
+        for c in mq_cases:
+            if c.mode == "fanout":
+                continue  # its baseline is the same fan-out to one subscriber
+            if name == "pynng":
+                fam = _family(c, hosts)
+                c.baseline = raw("raw:pynng", fam, c.device, c.mode)
+                if c.mode in ZMQ_MODES and _zmq_installed():  # a row of its own, nobody's baseline
+                    raw("raw:pyzmq", fam, c.device, c.mode)
+            elif c.mq_type == "torchrpc:cuda":
+                c.baseline = raw("raw:rpc-cuda", "auto", c.device, c.mode)
+            else:
+                c.baseline = raw("raw:rpc", "auto", c.device, c.mode)
+        return sorted(raws.values(), key=lambda r: (r.route, r.mq_type))
+
+    def _run_group(self, hosts: str, name: str, cases: list[_Case]) -> None:
+        self.progress({"event": "group", "text": f"{'two hosts' if hosts == 'two' else 'same host'}: "
+                                                  f"starting {name} workers"})
+        self._start_pairs(hosts, cases)
+        raws = self._raw_cases(hosts, name, cases)
+        self._start_pairs(hosts, raws)
+        everything = cases + raws
+        self.cases.extend(everything)
+        sizes = self.cfg.sizes_for(cases[0].mode)
+        self.progress({"event": "total", "add": len(everything) * len(sizes)})
+        try:
+            for i, size in enumerate(sizes):
+                bound = [self.bound] if size not in self.bound.results else []
+                self._run_size(everything + bound, size, i)
+        finally:
+            self._stop_pairs(everything)
+
+    def _record_unrun(self, cases: list[_Case]) -> None:
+        self.cases.extend(cases)
+        self.progress({"event": "total", "add": sum(len(self.cfg.sizes_for(c.mode)) for c in cases)})
+        for c in cases:
+            for size in self.cfg.sizes_for(c.mode):
+                c.results[size] = _SizeResult(done=True, skipped=c.unavailable)
+                self.progress({"event": "advance", "text": f"{c.name} {format_size(size)}: skipped"})
+
+    # -------------------------------------------------------------- one size
+    def _run_size(self, cases: list[_Case], size: int, index: int) -> None:
+        live = []
+        for c in cases:
+            res = c.results[size] = _SizeResult()
+            if not c.alive:
+                res.done = True
+                res.skipped = c.unavailable or f"not run: {c.broken}" + (
+                    f" (at {format_size(c.broken_at)})" if c.broken_at else "")
+                self.progress({"event": "advance", "text": f"{c.name} {format_size(size)}: skipped"})
+                continue
+            prev = _previous(c, size)
+            if prev is not None and prev.skipped and not prev.samples_ns:
+                res.done = True
+                res.skipped = f"not run: {format_size(_prev_size(c, size))} already reached --max-seconds"
+                self.progress({"event": "advance", "text": f"{c.name} {format_size(size)}: skipped"})
+                continue
+            live.append(c)
+        rnd = index  # alternate who goes first, size to size and round to round
+        pending = list(live)
+        first = True
+        while pending:
+            order = pending[rnd % len(pending):] + pending[: rnd % len(pending)]
+            for c in order:
+                self._step(c, size, warm=first)
+            first = False
+            pending = [c for c in pending if not c.results[size].done]
+            rnd += 1
+        for c in live:
+            if c.alive:
+                with contextlib.suppress(_WorkerFailed):
+                    c.a.request("free", None, "ok", 30.0)  # type: ignore[union-attr]
+
+    def _step(self, c: _Case, size: int, warm: bool) -> None:
+        cfg = self.cfg
+        res = c.results[size]
+        if res.done:
+            return
+        remaining = cfg.max_seconds - res.used_s
+        if warm:
+            args = {"n": 0, "warmup": cfg.warmup, "rt_hint_s": 0.0}
+        else:
+            n = max(1, min(res.target - len(res.samples_ns), int(cfg.batch_seconds / max(res.rt_s, 1e-9))))
+            args = {"n": n, "warmup": 0, "rt_hint_s": res.rt_s}
+        args.update(size=size, warm_cap_s=min(1.0, cfg.max_seconds / 4), cap_s=remaining,
+                    timeout_s=_hard_timeout(size), verify=warm)
+        link0 = self.two.link_bytes() if (self.two is not None and c.hosts == "two") else None
+        try:
+            moved = _copies(c, cfg.messages)[0] * size  # a stream sample is a whole burst
+            out = c.a.request("batch", args, "batch", remaining + _hard_timeout(moved) + 30)  # type: ignore[union-attr]
+        except _WorkerFailed as exc:
+            res.done = True
+            res.skipped = f"failed: {exc}"
+            self._break(c, str(exc), size)
+            self.progress({"event": "advance", "text": f"{c.name} {format_size(size)}: failed"})
+            return
+        if link0 is not None and link0 >= 0:
+            res.link_bytes = (res.link_bytes or 0) + self.two.link_bytes() - link0
+        res.used_s += out["elapsed_s"]
+        res.samples_ns += out["samples_ns"]
+        res.warm_ns += out["warm_ns"]
+        # One round trip's estimate: the median of what this size has done so far (warm-ups
+        # only until there are samples: the first round trips of a size are the slow ones).
+        w = sorted(res.samples_ns or res.warm_ns[len(res.warm_ns) // 2:])
+        res.rt_s = w[len(w) // 2] / 1e9
+        res.target = max(len(res.samples_ns), min(cfg.max_samples, max(
+            cfg.min_samples, math.ceil(cfg.target_seconds / max(res.rt_s, 1e-9)))))
+        have = len(res.samples_ns)
+        if have >= res.target:
+            res.done = True
+        elif out["stopped"] == "budget" or cfg.max_seconds - res.used_s < res.rt_s:
+            res.done = True
+            res.skipped = (f"--max-seconds {cfg.max_seconds:g} reached after {have} of {res.target} samples "
+                           f"(one round trip ~{res.rt_s * 1e3:.4g} ms)")
+        self.progress({"event": "advance" if res.done else "update",
+                       "text": f"{c.name} {format_size(size)}: {have}/{res.target} samples"})
+
+    # -------------------------------------------------------------- link ceilings
+    def _measure_links(self, hosts: str) -> None:
+        kinds = [("tcp", "veth tcp")] if hosts == "two" else [("tcp", "loopback tcp"), ("unix", "unix socket")]
+        host_a, host_b = self._addr(hosts)
+        for route, label in kinds:
+            self.progress({"event": "group", "text": f"measuring the {label} ceiling"})
+            row = {"hosts": hosts, "link": label, "gbps": None, "bytes": None, "seconds": None, "error": None}
+            a = b = None
+            try:
+                a = self._spawn("A", {"kind": "link", "route": route, "host": host_a,
+                                      "env": self._env(hosts, "A")}, hosts)
+                addr = a.recv("listening", CONNECT_TIMEOUT_S)
+                b = self._spawn("B", {"kind": "link", "route": route, "host": host_b,
+                                      "env": self._env(hosts, "B")}, hosts)
+                b.recv("listening", CONNECT_TIMEOUT_S)
+                a.send("connect", {})
+                b.send("connect", addr)
+                a.recv("ready", CONNECT_TIMEOUT_S)
+                b.recv("ready", CONNECT_TIMEOUT_S)
+                link0 = self.two.link_bytes() if hosts == "two" else None
+                out = a.request("link", {"seconds": self.cfg.link_seconds}, "link",
+                                self.cfg.link_seconds * 4 + 120)
+                row.update(gbps=round(out["gbps"], 3), bytes=out["bytes"], seconds=round(out["seconds"], 4))
+                if link0 is not None:
+                    row["link_bytes"] = self.two.link_bytes() - link0
+            except _WorkerFailed as exc:
+                row["error"] = str(exc)
+            finally:
+                self._stop_procs([p for p in (a, b) if p is not None])
+            self.links.append(row)
+            self.progress({"event": "note", "text": f"{label} ceiling: "
+                                                     f"{row['gbps'] if row['gbps'] else row['error']} Gbit/s"})
+
+
+def _family(c: _Case, hosts: str) -> str:
+    """The raw pynng address family an nng row is compared with."""
+    route = c.resolved_route or c.route
+    if hosts == "two":
+        return "tcp"
+    if route in ("ipc", "shm", "inproc"):
+        return "ipc"
+    if route in ("auto", "handle"):  # never connected: what auto takes on one host
+        return "ipc"
+    return "tcp"
+
+
+def _previous(c: _Case, size: int) -> _SizeResult | None:
+    p = _prev_size(c, size)
+    return c.results.get(p) if p is not None else None
+
+
+def _prev_size(c: _Case, size: int) -> int | None:
+    smaller = [s for s in c.results if s < size]
+    return max(smaller) if smaller else None
+
+
+# ================================================================================== results
+
+def _stats(samples_ns: list[int]) -> dict[str, float]:
+    import numpy as np
+
+    ms = np.asarray(samples_ns, dtype=np.float64) / 1e6
+    p50, p99 = np.percentile(ms, [50, 99])
+    return {"min_ms": float(ms.min()), "p50_ms": float(p50), "p99_ms": float(p99),
+            "max_ms": float(ms.max()), "mean_ms": float(ms.mean())}
+
+
+def _baseline_name(b: _Case) -> str:
+    return f"{b.mq_type}/{b.route}" + (f" fanout x{b.subscribers}" if b.mode == "fanout" else "")
+
+
+def _copies(c: _Case, messages: int) -> tuple[int, int]:
+    """(payloads one sample moves, memcpys its physical bound is): a round trip moves the
+    payload there and back (bound: 2 memcpy), a fan-out N payloads but shared memory copies
+    it once (bound: 1 memcpy), a stream `messages` payloads (bound: that many memcpys)."""
+    return {"roundtrip": (2, 2), "fanout": (c.subscribers, 1), "stream": (messages, messages)}.get(c.mode, (1, 1))
+
+
+def _p50(res: _SizeResult | None) -> float | None:
+    return _stats(res.samples_ns)["p50_ms"] if res is not None and res.samples_ns else None
+
+
+def _row(c: _Case, size: int, bound: _Case, messages: int) -> dict[str, Any]:
+    res = c.results.get(size) or _SizeResult(skipped=c.unavailable or "not run")
+    moved, memcpys = _copies(c, messages)
+    row: dict[str, Any] = {
+        "kind": c.kind, "mq_type": c.mq_type, "route": c.route,
+        "resolved_route": c.resolved_route, "hosts": c.hosts, "device": c.device,
+        "size": format_size(size), "size_bytes": size, "samples": len(res.samples_ns),
+        "warmup": len(res.warm_ns), "min_ms": None, "p50_ms": None, "p99_ms": None,
+        "max_ms": None, "mean_ms": None, "gbps": None,
+        "baseline": _baseline_name(c.baseline) if c.baseline else None,
+        "baseline_p50_ms": None, "ratio": None, "skipped": bool(res.skipped),
+        "reason": res.skipped, "seconds": round(res.used_s, 3),
+        "link_bytes": res.link_bytes, "mode": c.mode,
+        "subscribers": c.subscribers if c.mode == "fanout" else None,
+        "messages": messages if c.mode == "stream" else None, "payloads": moved, "bound_copies": memcpys,
+        "bound_ms": None, "ratio_bound": None, "msgs_per_s": None, "mb_per_s": None,
+        "lossless": None,
+    }
+    if c.mode == "stream" and (res.samples_ns or "lost or reordered" in (res.skipped or "")):
+        row["lossless"] = "lost or reordered" not in (res.skipped or "")  # B checks every counter
+    if not res.samples_ns:
+        return row
+    st = _stats(res.samples_ns)
+    p50_s = st["p50_ms"] / 1e3
+    row.update({k: round(v, 6) for k, v in st.items()})
+    row["gbps"] = round(moved * size * 8 / p50_s / 1e9, 4)
+    if c.mode == "stream":
+        row["msgs_per_s"] = round(messages / p50_s, 1)
+        row["mb_per_s"] = round(messages * size / p50_s / 1e6, 3)
+    base_p50 = _p50(c.baseline.results.get(size)) if c.baseline is not None else None
+    if base_p50:
+        row["baseline_p50_ms"] = round(base_p50, 6)
+        row["ratio"] = round(st["p50_ms"] / base_p50, 4)
+    bound_p50 = _p50(bound.results.get(size))
+    if bound_p50:
+        row["bound_ms"] = round(memcpys * bound_p50, 6)
+        row["ratio_bound"] = round(st["p50_ms"] / (memcpys * bound_p50), 4)
+    return row
+
+
+_ORDER = {"memcpy": -1, "nng": 0, "raw:pynng": 1, "raw:pyzmq": 2, "torchrpc:cpu": 3, "raw:rpc": 4,
+          "torchrpc:cuda": 5, "raw:rpc-cuda": 6}
+_ROUTE_ORDER = {"auto": 0, "tcp": 1, "ipc": 2, "handle": 3}
+_MODE_ORDER = ("bound", *MODES)
+
+
+def _rows(runner: "_Runner") -> list[dict[str, Any]]:
+    cfg = runner.cfg
+    cases = sorted(runner.cases, key=lambda c: (
+        _MODE_ORDER.index(c.mode), HOSTS.index(c.hosts), _ORDER.get(c.mq_type, 9),
+        _ROUTE_ORDER.get(c.route, 9), -c.subscribers, c.device))
+    return [_row(c, s, runner.bound, cfg.messages) for c in cases
+            for s in (cfg.all_sizes() if c is runner.bound else cfg.sizes_for(c.mode))]
+
+
+# ================================================================================== entry
+def run(cfg: BenchConfig, progress: Progress | None = None) -> Report:
+    """Measure everything ``cfg`` asks for and return the report. Always kills its workers and
+    removes its namespaces before returning (also on Ctrl-C / SIGTERM, which propagate)."""
+    cfg.validate()
+    if any(cfg.device_for(t) == "cuda" for t in cfg.mq_types) and not cuda_available():
+        raise ConfigError("--device cuda needs a CUDA GPU, and none is visible")
+    runner = _Runner(cfg, progress)
+    started = time.monotonic()
+    load_before = _read("/proc/loadavg").split()[:3] or None
+    runner.run()
+    rows = _rows(runner)
+    config = asdict(cfg)
+    config["sizes"] = [format_size(s) for s in cfg.sizes]
+    config["mode_sizes"] = {m: [format_size(s) for s in cfg.sizes_for(m)] for m in cfg.modes}
+    config["seconds_total"] = round(time.monotonic() - started, 1)
+    config["loadavg_before"] = load_before
+    return Report(machine=machine_info(), rows=rows, links=runner.links, config=config,
+                  targets=_targets(rows), notes=runner.notes)

@@ -1,0 +1,337 @@
+"""What ``mq bench`` reports and how: the :class:`Report`, its targets, the machine facts, and
+its JSON / CSV / Markdown / PNG renderings. Rows here are plain dicts (see ``ROW_FIELDS``)."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime as _dt
+import importlib.metadata
+import io
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from mq.tools.bench_units import GB, KB, format_size
+
+ROW_FIELDS = (
+    "kind", "mq_type", "route", "resolved_route", "hosts", "device", "size", "size_bytes",
+    "samples", "warmup", "min_ms", "p50_ms", "p99_ms", "max_ms", "mean_ms", "gbps",
+    "baseline", "baseline_p50_ms", "ratio", "skipped", "reason", "seconds", "link_bytes",
+    "mode", "subscribers", "messages", "payloads", "bound_copies", "bound_ms", "ratio_bound", "msgs_per_s",
+    "mb_per_s", "lossless",
+)
+
+
+
+@dataclass
+class Report:
+    """What :func:`run` measured: machine facts, rows (one per row kind and size), links."""
+
+    machine: dict[str, Any]
+    rows: list[dict[str, Any]]
+    links: list[dict[str, Any]]
+    config: dict[str, Any]
+    targets: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"machine": self.machine, "config": self.config, "links": self.links,
+                "targets": self.targets, "notes": self.notes, "rows": self.rows}
+
+
+
+def _vs_raw(r: dict[str, Any]) -> bool:
+    """Rows whose ratio is to a raw library (a fan-out's is to the same fan-out to one peer)."""
+    return r["kind"] == "mq" and r.get("mode") != "fanout"
+
+
+TARGETS = (
+    ("nng 1.25 KB and 20 KB p50 <= 1.25x raw pynng (same address family)", 1.25,
+     lambda r: _vs_raw(r) and r["mq_type"] == "nng" and r["size_bytes"] <= 20 * KB),
+    ("torchrpc:cpu p50 <= 1.15x raw rpc_sync at every size", 1.15,
+     lambda r: _vs_raw(r) and r["mq_type"] == "torchrpc:cpu"),
+    ("no row slower than its baseline by more than 1.5x", 1.5, _vs_raw),
+)
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for text, limit, pick in TARGETS:
+        mine = [r for r in rows if pick(r) and r["ratio"] is not None]
+        misses = [r for r in mine if r["ratio"] > limit]
+        worst = max(mine, key=lambda r: r["ratio"], default=None)
+        out.append({
+            "target": text, "limit": limit, "rows_checked": len(mine),
+            "met": bool(mine) and not misses,
+            "misses": [f"{row_label(r)} {r['size']}: {r['ratio']:.3g}x" for r in misses],
+            "worst": f"{row_label(worst)} {worst['size']}: {worst['ratio']:.3g}x" if worst else None,
+        })
+    return out
+
+
+def row_label(r: dict[str, Any]) -> str:
+    """``nng/auto->ipc``; other modes than round trip say so (``nng/ipc fanout x4``), and the
+    bound says what it is."""
+    if r["kind"] == "bound":
+        return "memcpy (bound)"
+    route = r["route"]
+    if r.get("resolved_route") and r["resolved_route"] != route and r["kind"] == "mq":
+        route = f"{route}->{r['resolved_route']}"
+    where = " two-hosts" if r["hosts"] == "two" else ""
+    dev = f" {r['device']}" if r["device"] != "cpu" else ""
+    mode = r.get("mode") or "roundtrip"
+    mode = "" if mode == "roundtrip" else f" {mode}" + (f" x{r['subscribers']}" if mode == "fanout" else "")
+    return f"{r['mq_type']}/{route}{mode}{dev}{where}"
+
+
+def stream_note(r: dict[str, Any]) -> str:
+    """``12.3k msg/s, 3.1 MB/s, lossless`` for a stream row with samples, else ``""``."""
+    if not r.get("msgs_per_s"):
+        return ""
+    order = {True: ", lossless", False: ", LOST MESSAGES"}.get(r.get("lossless"), "")
+    return f"{r['msgs_per_s'] / 1e3:.3g}k msg/s, {r['mb_per_s']:.3g} MB/s{order}"
+
+
+def bound_note(r: dict[str, Any]) -> str:
+    """What a row's ``x bound`` is relative to, e.g. ``bound: 2 memcpy``."""
+    n = r.get("bound_copies")
+    return f"bound: {n} memcpy" if n and r["kind"] != "bound" else ""
+
+
+def row_note(r: dict[str, Any]) -> str:
+    """The note column: why a row was skipped, stream throughput, and what its bound is."""
+    return "; ".join(x for x in (r["reason"], stream_note(r), bound_note(r)) if x)
+
+
+# ================================================================================== machine
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """Facts a reader needs to compare numbers: CPU, cores, memory, kernel, versions."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor() or platform.machine())
+    mem = re.search(r"MemTotal:\s+(\d+) kB", _read("/proc/meminfo"))
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory": f"{int(mem.group(1)) / 2**20:.1f} GiB" if mem else None,
+        "memory_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None,
+        "kernel": platform.release(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": None,
+        "pynng": _version("pynng"),
+        "numpy": _version("numpy"),
+        "msgpack": _version("msgpack"),
+        "mq": None,
+        "git_commit": None,
+        "gpus": [],
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "loadavg": _read("/proc/loadavg").split()[:3] or None,  # other work on the machine
+        "command": " ".join(["mq", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("mq") else None,
+    }
+    with contextlib.suppress(Exception):
+        import mq
+
+        info["mq"] = mq.__version__
+    with contextlib.suppress(Exception):
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    with contextlib.suppress(Exception):
+        here = os.path.dirname(os.path.abspath(__file__))
+        done = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5)
+        if done.returncode == 0:
+            info["git_commit"] = done.stdout.strip()
+    return info
+
+
+
+def to_json(report: Report) -> str:
+    return json.dumps(report.to_dict(), indent=2)
+
+
+def to_csv(report: Report) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(ROW_FIELDS), extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in report.rows:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in ROW_FIELDS})
+    return buf.getvalue()
+
+
+def fmt_ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3g}" if v < 100 else f"{v:.0f}"
+
+
+def fmt_ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def pivot(report: Report, what: str = "p50") -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """Rows = row kinds, columns = sizes, cells = ``p50 ms (ratio x)``."""
+    sizes: list[str] = list(dict.fromkeys(r["size"] for r in report.rows))
+    table: dict[str, dict[str, str]] = {}
+    for r in report.rows:
+        cell = "skipped" if r["p50_ms"] is None else fmt_ms(r["p50_ms"])
+        if r["ratio"] is not None:
+            cell += f" ({r['ratio']:.2f}x)"
+        if r["skipped"] and r["p50_ms"] is not None:
+            cell += "*"
+        table.setdefault(row_label(r), {})[r["size"]] = cell
+    return sizes, [(label, [cells.get(s, "") for s in sizes]) for label, cells in table.items()]
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    return (f"{m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB, kernel "
+            f"{m.get('kernel')}, Python {m.get('python')}, torch {m.get('torch')}, pynng "
+            f"{m.get('pynng')}, host {m.get('hostname')}"
+            + (f", GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else ", no GPU"))
+
+
+def to_markdown(report: Report) -> str:
+    m = report.machine
+    out = ["# mq bench", "",
+           f"Machine: {machine_line(m)}. Run {m.get('date_utc')}"
+           + (f", commit {m['git_commit']}" if m.get("git_commit") else "") + ".", "",
+           ("Round trip: A sends a tensor, B echoes it (recv then send), A times send -> recv. "
+            "oneway: B answers a tiny ack instead. fanout xN: A publishes to N subscribers and waits "
+            "for all N acks. stream: one sample is a burst of small messages, ordered and checked, "
+            "acked once. Ratio = mq p50 / raw p50 of its baseline, measured interleaved in the same "
+            "run (fan-out N: / the same fan-out to 1). x bound = p50 / the physical bound, one "
+            "memcpy into warm memory measured in the same run, times the memcpys the note says. "
+            "Gbit/s = payloads moved x size / p50. `*` = stopped by --max-seconds before its target "
+            "sample count."), ""]
+    if report.links:
+        out += ["## Link ceilings (raw socket stream, one direction)", "", "| hosts | link | Gbit/s | note |",
+                "|---|---|---|---|"]
+        for l in report.links:
+            note = l.get("error") or (f"{l['bytes'] / GB:.1f} GiB in {l['seconds']:.2f}s" if l.get("bytes") else "")
+            out.append(f"| {l['hosts']} | {l['link']} | {l['gbps'] if l['gbps'] is not None else '-'} | {note} |")
+        out.append("")
+    sizes, prow = pivot(report)
+    out += ["## p50 ms (ratio to baseline)", "", "| row | " + " | ".join(sizes) + " |",
+            "|---|" + "---|" * len(sizes)]
+    out += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in prow]
+    out.append("")
+    if report.targets:
+        out += ["## Targets", ""]
+        for t in report.targets:
+            mark = "met" if t["met"] else ("no data" if not t["rows_checked"] else "MISSED")
+            detail = f"; misses: {', '.join(t['misses'])}" if t["misses"] else ""
+            out.append(f"- **{mark}**: {t['target']} (worst: {t['worst']}){detail}")
+        out.append("")
+    out += ["## All rows", "",
+            ("| row | size | samples | min ms | p50 ms | p99 ms | max ms | Gbit/s | baseline p50 ms "
+             "| ratio | x bound | note |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report.rows:
+        note = row_note(r).replace("|", "/")
+        if r.get("link_bytes") is not None and r["samples"]:
+            moved = (r.get("payloads") or 2) * r["size_bytes"] * (r["samples"] + r["warmup"])
+            note = (note + " " if note else "") + f"veth carried {r['link_bytes'] / max(1, moved):.2f}x the payload"
+        out.append(f"| {row_label(r)} | {r['size']} | {r['samples']} | {fmt_ms(r['min_ms'])} | {fmt_ms(r['p50_ms'])} | "
+                   f"{fmt_ms(r['p99_ms'])} | {fmt_ms(r['max_ms'])} | {r['gbps'] if r['gbps'] is not None else '-'} | "
+                   f"{fmt_ms(r['baseline_p50_ms'])} | {fmt_ratio(r['ratio'])} | {fmt_ratio(r.get('ratio_bound'))} | {note} |")
+    if report.notes:
+        out += ["", "## Notes", ""] + [f"- {n}" for n in report.notes]
+    out.append("")
+    return "\n".join(out)
+
+
+def plot(report: Report, path: str) -> str:
+    """Latency vs size (log-log, one line per row kind), ratio to baseline and ratio to the
+    memcpy bound vs size, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float, float | None, float | None]]] = {}
+    kinds: dict[str, str] = {}
+    for r in report.rows:
+        if r["p50_ms"] is None:
+            continue
+        label = row_label(r)
+        series.setdefault(label, []).append((r["size_bytes"], r["p50_ms"], r["ratio"], r.get("ratio_bound")))
+        kinds[label] = r["kind"]
+    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(20, 6.5), gridspec_kw={"width_ratios": [3, 2, 2]})
+    colors = plt.get_cmap("tab20").colors
+    for i, (label, pts) in enumerate(series.items()):
+        pts.sort()
+        raw = kinds[label] == "raw"
+        style = dict(color=colors[i % len(colors)], ls="--" if raw else "-",
+                     marker=("x" if raw else "o") if "two-hosts" not in label else ("+" if raw else "s"),
+                     lw=1.5, ms=4, label=label)
+        if kinds[label] == "bound":
+            style.update(color="k", ls=":", marker=".")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], **style)
+        for axis, col in ((ax2, 2), (ax3, 3)):
+            rp = [(p[0], p[col]) for p in pts if p[col] is not None]
+            if rp:
+                axis.plot([p[0] for p in rp], [p[1] for p in rp], **style)
+    for a in (ax, ax2, ax3):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("message size (bytes)")
+        a.grid(True, which="both", alpha=0.3)
+        sizes = sorted({r["size_bytes"] for r in report.rows})
+        a.set_xticks(sizes)
+        a.set_xticklabels([format_size(s).replace(" ", "") for s in sizes], rotation=45)
+    ax.set_yscale("log")
+    ax.set_ylabel("p50 per sample (ms)")
+    ax.set_title("mq vs raw baselines (dashed), memcpy bound (dotted); squares: two hosts")
+    ax.legend(fontsize=7)
+    for y, c in ((1.0, "k"), (1.15, "g"), (1.25, "orange"), (1.5, "r")):
+        ax2.axhline(y, color=c, lw=0.8, ls=":")
+    ax2.set_ylabel("p50 ratio mq / raw baseline")
+    ax2.set_title("ratio (targets 1.15 / 1.25 / 1.5)")
+    ax2.legend(fontsize=7)
+    ax3.set_yscale("log")
+    ax3.axhline(1.0, color="k", lw=0.8, ls=":")
+    ax3.set_ylabel("p50 / physical bound (memcpy into warm memory)")
+    ax3.set_title("x bound (1 = as fast as the memcpys the row needs)")
+    fig.suptitle(machine_line(report.machine), fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_all(report: Report, out_dir: str, stem: str = "bench") -> list[str]:
+    """Write ``stem``.json/.csv/.md into ``out_dir``; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for ext, text in (("json", to_json(report)), ("csv", to_csv(report)), ("md", to_markdown(report))):
+        path = os.path.join(out_dir, f"{stem}.{ext}")
+        with open(path, "w") as f:
+            f.write(text)
+        paths.append(path)
+    return paths
