@@ -17,6 +17,7 @@ import click
 
 import mq.forksafe as forksafe
 from mq.locality import Locality, local
+from mq import auth as _auth
 from mq.routing import BACKEND_ROUTES, select_route, tensorpipe_options
 
 __all__ = ["doctor", "report"]
@@ -150,6 +151,7 @@ def report(locality: Locality | None = None) -> dict[str, Any]:
         "tensorpipe": _section(lambda: _tensorpipe(me, {1: peers["local"], 2: peers["remote"]})),
         "pynng": _section(_pynng),
         "shm": shm,
+        "trust": _section(_auth.state),
         "routes": routes,
     }
 
@@ -246,6 +248,10 @@ def _render(rep: dict[str, Any]) -> None:
         table.add_row("  channels", ", ".join(tp["options"]["_channels"]))
     pn = rep["pynng"]
     table.add_row("pynng", pn.get("version") or "[red]missing[/red]")
+    tr = rep["trust"]
+    if "error" not in tr:
+        table.add_row("trust", f"joins authenticated; secret from {tr['secret']}; {tr['opt_out']}")
+        table.add_row("  torchrpc", f"[yellow]{tr['torchrpc']}[/yellow]")
     sh = rep["shm"]
     table.add_row("shm data path", ("available: " if sh.get("available") else "[yellow]unavailable[/yellow]: ")
                   + str(sh.get("why") or sh.get("error")))

@@ -33,7 +33,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from mq.errors import ConfigError
+from mq.errors import ConfigError, ProtocolError
 
 NONCE_BYTES = 16
 ENV_VAR = "MQ_SECRET"
@@ -65,6 +65,23 @@ class Secret:
     def sign(self, data: bytes) -> bytes:
         """MAC of a value written where strangers can write (the rendezvous store)."""
         return hmac.new(self.key, b"mq-store-v1|" + data, hashlib.sha256).digest()
+
+
+def seal(secret: Secret | None, data: bytes) -> bytes:
+    """``data`` with a MAC in front, for a store anyone on the network can write."""
+    return data if secret is None else secret.sign(data) + data
+
+
+def unseal(secret: Secret | None, blob: bytes, what: str) -> bytes:
+    """The data of a :func:`seal`-ed value; :class:`~mq.errors.ProtocolError` if its MAC is
+    wrong (a stranger planted it, or the writer has another secret)."""
+    if secret is None:
+        return blob
+    mac, data = blob[:32], blob[32:]
+    if len(mac) != 32 or not hmac.compare_digest(mac, secret.sign(data)):
+        raise ProtocolError(f"{what} is not signed with this job's secret: planted by a stranger, "
+                            "or that node uses another secret (set the same MQ_SECRET everywhere)")
+    return data
 
 
 def nonce() -> bytes:
@@ -110,13 +127,19 @@ def resolve_secret(secret: Any = None, insecure: bool = False) -> Secret | None:
 
 def _read_or_create(path: str) -> bytes:
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    else:
+    if not os.path.exists(path):
+        # Write a private temporary file, then link it into place: processes starting together
+        # either win the link or read the winner's complete file, never a half-written one.
+        tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32) + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
     st = os.stat(path)
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"the mq secret file {path} is readable by others (mode "
@@ -129,9 +152,26 @@ def _read_or_create(path: str) -> bytes:
     return key
 
 
-def describe(secret: Secret | None) -> dict[str, Any]:
-    """The trust state for ``mq doctor`` (never the key)."""
-    if secret is None:
-        return {"authenticated": False, "source": "insecure=True: any process that reaches a "
-                                                  "node's port can join the job"}
-    return {"authenticated": True, "source": secret.source}
+TORCHRPC_RISK = ("torchrpc: mq authenticates its joins and signs its rendezvous values, but torch "
+                 "RPC's TensorPipe agent accepts any connection and unpickles Python-function "
+                 "RPCs: whoever reaches its port can run code in the node. mq binds it to "
+                 "loopback for one-host jobs; across hosts run torchrpc only on a trusted network "
+                 "(or use nng).")
+
+
+def state() -> dict[str, Any]:
+    """The trust state a new node would have, for ``mq doctor`` (never the key; creates
+    nothing)."""
+    if os.environ.get(ENV_VAR):
+        source = f"{ENV_VAR} (environment)"
+    else:
+        path = default_secret_file()
+        if not os.path.exists(path):
+            source = f"file {path} (made with mode 0600 on first use)"
+        else:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            bad = mode & (stat.S_IRWXG | stat.S_IRWXO)
+            source = f"file {path} (mode {mode:o}{': readable by others, run chmod 600' if bad else ''})"
+    return {"authenticated": True, "secret": source,
+            "opt_out": "mq.create(..., insecure=True) turns authentication off",
+            "torchrpc": TORCHRPC_RISK}

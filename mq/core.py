@@ -162,6 +162,7 @@ class MQ:
         self.locality: Locality = local()
         self.incarnation = uuid.uuid4().hex
         self._secret = _auth.resolve_secret(secret, insecure)
+        self.secret = self._secret  # for the transport: it signs its rendezvous values
         self.heartbeat = float(heartbeat)
         self.peer_timeout = float(peer_timeout)
         self._links: dict[Any, int] = {}  # authenticated link -> its peer's node id

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import msgpack
 
+from mq.auth import seal, unseal
 from mq.errors import ConfigError, Timeout
 
 TOPOLOGIES = ("mesh", "star", "alone")
@@ -111,9 +112,10 @@ class Rendezvous:
             except (RuntimeError, ValueError) as exc:
                 raise Timeout(f"rendezvous at {init_method} failed for node {node_id}: {exc}") from exc
 
-    def exchange(self, info: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        """Publish ``info`` and return every node's info by node id."""
-        self.store.set(f"{self.prefix}{self.node_id}", msgpack.packb(info, use_bin_type=True))
+    def exchange(self, info: dict[str, Any], secret: Any = None) -> dict[int, dict[str, Any]]:
+        """Publish ``info`` and return every node's info by node id. With the job ``secret``
+        (:class:`mq.auth.Secret`) values are signed, and a value a stranger planted is refused."""
+        self.store.set(f"{self.prefix}{self.node_id}", seal(secret, msgpack.packb(info, use_bin_type=True)))
         keys = [f"{self.prefix}{i}" for i in range(self.world_size)]
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout))
@@ -121,7 +123,8 @@ class Rendezvous:
             missing = [k for k in keys if not self.store.check([k])]
             raise Timeout(f"rendezvous: {missing} did not register within {self.timeout:g}s "
                           f"(world_size={self.world_size}): are all nodes started?") from exc
-        return {i: msgpack.unpackb(self.store.get(k), raw=False, strict_map_key=False)
+        return {i: msgpack.unpackb(unseal(secret, self.store.get(k), f"rendezvous entry {k}"), raw=False,
+                                   strict_map_key=False)
                 for i, k in enumerate(keys)}
 
 

@@ -48,6 +48,7 @@ class Events(Protocol):
     """What a transport reports to its node (core)."""
 
     max_frame_bytes: int
+    secret: Any  # the job's mq.auth.Secret (None when insecure): sign what strangers could write
 
     def on_frame(self, header: Any, buffers: list[Any], link: Any) -> None:
         """A frame arrived on ``link``: a hashable key naming the connection it came on (an NNG

@@ -142,7 +142,7 @@ class NngTransport(Transport):
         self._reader.start()
         targets = list(self.attach_to)
         if self.rendezvous is not None:
-            nodes = self.rendezvous.exchange({"addresses": dict(self.addresses)})
+            nodes = self.rendezvous.exchange({"addresses": dict(self.addresses)}, node.secret)
             targets += [nodes[peer]["addresses"]["tcp"]
                         for peer in attach_targets(self.node_id, list(nodes), self.topology)]
         return targets

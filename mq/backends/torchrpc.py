@@ -107,6 +107,7 @@ import numpy as np
 import torch
 
 from mq import device_map
+from mq.auth import seal, unseal
 from mq.codec import Frame
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.locality import Locality, local
@@ -320,6 +321,10 @@ class TorchRpcTransport(Transport):
             raise ConfigError(f"copy_threshold must be an int >= 0 (bytes), got {copy_threshold!r}")
         self.copy_threshold = copy_threshold
         self.heartbeat = float(heartbeat)
+        # A job whose store is on loopback is a one-host job: TensorPipe then listens on lo only,
+        # so nothing off this host can reach its agent (which accepts any connection).
+        if socket_ifname is None and spec.scheme == "tcp" and _is_loopback(spec.host):
+            socket_ifname = "lo" if "lo" in local().interfaces else None
         self.socket_ifname = socket_ifname
         self.locality: Locality = local()
         tensorpipe_options(self.locality, {}, cuda=False, socket_ifname=socket_ifname)  # validates
@@ -415,8 +420,9 @@ class TorchRpcTransport(Transport):
         store.set_timeout(wait)
         self._store = store
         prefix = "mq/torchrpc/locality/"
-        store.set(f"{prefix}{self.node_id}", msgpack.packb(
-            {"locality": self.locality.to_dict(), "incarnation": self.incarnation}, use_bin_type=True))
+        secret = self._node.secret if self._node is not None else None
+        store.set(f"{prefix}{self.node_id}", seal(secret, msgpack.packb(
+            {"locality": self.locality.to_dict(), "incarnation": self.incarnation}, use_bin_type=True)))
         keys = [f"{prefix}{p}" for p in self._links]
         try:
             if keys:
@@ -429,8 +435,11 @@ class TorchRpcTransport(Transport):
         remote = {}
         for p in self._links:
             try:
-                info = msgpack.unpackb(store.get(f"{prefix}{p}"), raw=False, strict_map_key=False)
+                info = msgpack.unpackb(unseal(secret, store.get(f"{prefix}{p}"), f"node {p}'s locality"),
+                                       raw=False, strict_map_key=False)
                 remote[p] = Locality.from_dict(info.get("locality") or {})
+            except ProtocolError:
+                raise
             except Exception as exc:  # msgpack only: a bad entry is a protocol error, not code
                 raise ProtocolError(f"node {self.node_id}: node {p}'s rendezvous entry is "
                                     f"malformed ({_short(exc)}): does it run the same mq version?") from None
@@ -815,6 +824,16 @@ class TorchRpcTransport(Transport):
         views = [t.numpy() if t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 1 else t
                  for t in buffers]
         return header.numpy(), views
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def _nbytes(buf: Any) -> int:

@@ -1,0 +1,254 @@
+"""Trust and failure on real sockets: a stranger cannot join, inject, spoof, hijack or cut a
+node off; a dead peer is known at once (SIGKILL) or within the heartbeat bound (a host gone
+without FIN); oversized frames fail at the sender; the secret is private by default."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pynng
+import pytest
+
+import mq
+from mq import auth
+from mq.codec import BYE, HELLO, LINK, MSG, Codec
+
+pytestmark = pytest.mark.timeout(90)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wait_until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+def learner():
+    q = mq.create("nng", 0, "learner", timeout=3)
+    with q:
+        q.subscribe("work")
+        q.on("echo", lambda x: x)
+        yield q
+
+
+def peer(q: mq.MQ, mode: str = "hang", node_id: int = 1, pre: list[str] | None = None,
+         listen: str | None = None) -> subprocess.Popen:
+    env = dict(os.environ, **({"MQ_TEST_LISTEN": listen} if listen else {}))
+    proc = subprocess.Popen([*(pre or []), sys.executable, "-m", "tests.jobs.nng_peer", str(node_id),
+                             q.addresses["tcp"], mode],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline().strip()
+    assert line == "ready", proc.stderr.read()[-3000:]
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def raw_frame(kind: int, sender: int, payload, topic: str = "work") -> bytes:
+    return bytes(Codec().encode(kind, topic, sender, 0, 0, payload).to_bytes())
+
+
+def stranger(address: str) -> pynng.Push0:
+    s = pynng.Push0(send_timeout=2000)
+    s.dial(address, block=True)
+    return s
+
+
+# ---------------------------------------------------------------------- strangers
+def test_a_node_with_another_secret_never_joins(learner):
+    intruder = mq.create("nng", 7, secret="not-this-jobs-secret", attach_to=[learner.addresses["tcp"]], timeout=2)
+    with intruder:
+        with pytest.raises(mq.Timeout):
+            intruder.wait_for_peers(1, timeout=2)
+        assert intruder.stats().rejected.get("bad_proof", 0) >= 1  # our ACK failed its check too
+        assert 7 not in learner.peers()
+    assert wait_until(lambda: learner.stats().rejected.get("join_incomplete", 0) >= 1, 8)
+    assert 7 not in learner.peers()
+
+
+def test_frames_without_a_handshake_are_refused_and_counted(learner):
+    s = stranger(learner.addresses["tcp"])
+    try:
+        for _ in range(5):
+            s.send(raw_frame(MSG, 1, {"cmd": "rm -rf"}))
+        assert wait_until(lambda: learner.stats().rejected.get("unauthenticated", 0) >= 5)
+        with pytest.raises(mq.Timeout):
+            learner.recv(timeout=0.3)
+    finally:
+        s.close()
+
+
+def test_spoofed_sender_hijacked_id_and_forged_farewell_change_nothing(learner):
+    proc = peer(learner)
+    try:
+        learner.wait_for_peers(ids=[1], timeout=10)
+        s = stranger(learner.addresses["tcp"])
+        s.send(raw_frame(MSG, 1, "spoofed: I am node 1"))                    # spoof a live id
+        s.send(raw_frame(BYE, 1, {"rx": 0}))                                 # forged farewell
+        s.send(raw_frame(LINK, 1, {"node_id": 1, "incarnation": "x", "proof": b"0" * 32}))
+        assert wait_until(lambda: sum(learner.stats().rejected.values()) >= 3)
+        s.close()
+        # A member-looking HELLO for the live id 1 from another process: refused, not a takeover.
+        thief = mq.create("nng", 1, attach_to=[learner.addresses["tcp"]], timeout=2)
+        with thief:
+            with pytest.raises(mq.Timeout):
+                thief.wait_for_peers(1, timeout=2)
+        assert learner.stats().rejected.get("duplicate_id", 0) >= 1
+        assert 1 in learner.peers()
+        assert learner.call(1, "echo", "still you", timeout=5) == "still you"  # the real node 1
+        with pytest.raises(mq.Timeout):
+            learner.recv(timeout=0.2)  # nothing spoofed reached the queue
+    finally:
+        stop(proc)
+
+
+def test_garbage_and_a_join_flood_leave_the_node_serving_and_stop_bounded():
+    q = mq.create("nng", 0, timeout=2)
+    q.listen()
+    try:
+        s = stranger(q.addresses["tcp"])
+        rng = random.Random(7)
+        for _ in range(50):
+            s.send(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))))
+        for n in range(300):  # fake joins pointing back at an address nobody listens on
+            hello = {"node_id": 1000 + n, "incarnation": f"i{n}", "nonce": os.urandom(16),
+                     "addresses": {"tcp": "tcp://127.0.0.1:9"}, "token": f"t{n}"}
+            s.send(raw_frame(HELLO, 1000 + n, hello, topic=""))
+        s.close()
+        assert wait_until(lambda: q.stats().dropped_malformed >= 50, 20)
+        assert len(q._pending) <= 64 and q.peers() == []
+    finally:
+        t0 = time.monotonic()
+        q.stop(timeout=3.0)
+        assert time.monotonic() - t0 < 4.5
+
+
+# ---------------------------------------------------------------------- failures
+def test_a_blocked_sender_gets_peer_lost_within_a_second_of_sigkill(learner):
+    proc = peer(learner, "stall")
+    try:
+        learner.wait_for_peers(ids=[1], timeout=10)
+        learner.wait_for_subscribers("work", 1, timeout=10)
+        outcome: dict = {}
+
+        def flood() -> None:
+            try:
+                for i in range(100_000):
+                    learner.send(1, "work", np.zeros(64 << 10, np.uint8), timeout=30)
+            except mq.MQError as exc:
+                outcome["error"], outcome["t"] = exc, time.monotonic()
+
+        t = threading.Thread(target=flood, daemon=True)
+        t.start()
+        time.sleep(1.5)  # the receiver's queue and the socket buffers are full: send() waits
+        assert t.is_alive()
+        killed = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        t.join(5)
+        assert isinstance(outcome.get("error"), mq.PeerLost), outcome
+        assert outcome["t"] - killed < 1.0
+        assert "never acknowledged" in str(outcome["error"])  # what was in flight is reported
+        with pytest.raises(mq.PeerLost, match="never acknowledged"):
+            learner.flush(1, timeout=1)
+    finally:
+        stop(proc)
+
+
+def test_flush_confirms_what_a_live_peer_received(learner):
+    proc = peer(learner)
+    try:
+        learner.wait_for_subscribers("work", 1, timeout=10)
+        for i in range(50):
+            learner.send(1, "work", i)
+        learner.flush(1, timeout=5)
+        assert learner._peers[1].acked == learner._peers[1].tx == 50
+    finally:
+        stop(proc)
+
+
+def test_an_oversized_frame_fails_at_the_sender_and_the_link_survives():
+    # Over a socket (protocol=ipc): by the shm route the bytes would not cross the link at all.
+    learner = mq.create("nng", 0, protocol="ipc", timeout=3).listen()
+    learner.on("echo", lambda x: x)
+    proc = peer(learner, "small")
+    try:
+        learner.wait_for_subscribers("work", 1, timeout=10)
+        with pytest.raises(mq.ConfigError, match="exceeds node 1's max_frame_bytes=1048576"):
+            learner.send(1, "work", np.zeros(2 << 20, np.uint8))
+        assert learner.call(1, "echo", "ok", timeout=5) == "ok"
+        assert 1 in learner.peers()
+    finally:
+        stop(proc)
+        learner.stop()
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+def test_a_host_that_vanishes_without_fin_is_lost_within_the_heartbeat_bound():
+    from mq.tools.netns import TwoHosts, unavailable
+
+    if unavailable():
+        pytest.skip(unavailable())
+    with TwoHosts() as hosts:
+        q = mq.create("nng", 0, listen_to=f"tcp://{hosts.host_addr}:0", timeout=5)
+        with q:
+            proc = peer(q, pre=hosts.command([]), listen=f"tcp://{hosts.peer_addr}:0")
+            try:
+                q.wait_for_peers(ids=[1], timeout=10)
+                assert q.routes()[1].kind == "tcp"
+                subprocess.run(["ip", "-n", hosts.name, "link", "set", hosts.peer_if, "down"], check=True)
+                proc.send_signal(signal.SIGKILL)  # no FIN can reach us: the link is down
+                gone = time.monotonic()
+                assert wait_until(lambda: 1 not in q.peers(), 8)
+                detected = time.monotonic() - gone
+                assert detected <= q.peer_timeout + q.heartbeat + 0.5, detected
+                assert "went silent" in q._peers[1].lost
+            finally:
+                stop(proc)
+
+
+# ---------------------------------------------------------------------- the secret
+def test_the_default_secret_file_is_private_and_shared_by_the_users_processes(tmp_path, monkeypatch):
+    path = tmp_path / "mq" / "secret"
+    monkeypatch.setenv("MQ_SECRET_FILE", str(path))
+    monkeypatch.delenv("MQ_SECRET", raising=False)
+    first = auth.resolve_secret()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert auth.resolve_secret().key == first.key and first.source == f"file:{path}"
+    os.chmod(path, 0o644)
+    with pytest.raises(mq.ConfigError, match="chmod 600"):
+        auth.resolve_secret()
+    monkeypatch.setenv("MQ_SECRET", "short")
+    with pytest.raises(mq.ConfigError, match="at least 8"):
+        auth.resolve_secret()
+    assert repr(auth.resolve_secret("a-long-enough-secret")) == "Secret(source='explicit')"
+
+
+def test_insecure_nodes_talk_without_a_secret_and_say_so():
+    a = mq.create("inproc", 0, insecure=True, listen_to="inproc://insecure-a")
+    b = mq.create("inproc", 1, insecure=True, attach_to=["inproc://insecure-a"])
+    with a, b:
+        b.wait_for_peers(1, timeout=5)
+        b.send(0, "t", 1)
+        assert a.recv(timeout=5).payload == 1
+    with pytest.raises(mq.ConfigError, match="not both"):
+        mq.create("inproc", 2, insecure=True, secret="a-long-enough-secret")
