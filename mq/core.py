@@ -51,6 +51,7 @@ _MAX_PENDING = 64
 _COUNTED = frozenset({MSG, REQ, REP_OK, REP_ERR})
 # Frames accepted from a link that has not proven membership yet: the handshake itself.
 _HANDSHAKE = frozenset({HELLO, HELLO_ACK, LINK})
+_STOPPED = "this queue was stopped; create a new one with mq.create(...)"
 # Longer waits are capped: threading refuses timeouts past ~292 years (OverflowError).
 _MAX_TIMEOUT_S = 365 * 86400.0
 
@@ -137,7 +138,7 @@ class MQ:
             raise ConfigError(f"node_id must be a non-negative int, got {node_id!r}")
         if not isinstance(queue_size, int) or queue_size < 1:
             raise ConfigError(f"queue_size must be an int >= 1, got {queue_size!r}")
-        if timeout is None or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        if _seconds(timeout, "timeout") <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         for name, value in (("max_frame_bytes", max_frame_bytes), ("queue_bytes", queue_bytes),
                             ("handler_threads", handler_threads)):
@@ -201,7 +202,7 @@ class MQ:
         if self._state == "listening":
             return self
         if self._state != "new":
-            raise ClosedError("this queue was stopped; create a new one with mq.create(...)")
+            raise ClosedError(_STOPPED)
         self._executor = ThreadPoolExecutor(self._handler_threads, thread_name_prefix=f"mq{self.node_id}-on")
         self._dispatcher = threading.Thread(target=self._dispatch_loop, daemon=True,
                                             name=f"mq{self.node_id}-handlers")
@@ -236,6 +237,7 @@ class MQ:
     def stop(self, timeout: float = 5.0) -> None:
         """Leave the job: tell peers, close the transport. Returns within ``timeout`` seconds
         (plus a little), even when peers died."""
+        timeout = _seconds(timeout, "timeout")
         if self._state != "listening":
             self._state = "stopped"
             return
@@ -490,8 +492,8 @@ class MQ:
             Timeout: nothing arrived within ``timeout`` seconds (default: the queue's timeout).
         """
         timeout = self._timeout(timeout)
-        if self._state not in ("listening",) and self._inbox.empty():
-            raise ClosedError("recv() on a queue that is not listening: use `with q:` or q.listen()")
+        if self._state != "listening" and self._inbox.empty():
+            raise ClosedError(self._not_listening("recv()"))
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -526,6 +528,12 @@ class MQ:
     def wait_for_peers(self, count: int | None = None, *, ids: Iterable[int] | None = None,
                        label: str | None = None, timeout: float | None = None) -> list[int]:
         """Block until ``count`` peers (with ``label``) or the peers ``ids`` have joined."""
+        if count is not None and (type(count) is not int or count < 0):
+            raise ConfigError(f"count must be an int >= 0, got {count!r}")
+        if ids is not None and (not hasattr(ids, "__iter__") or not all(type(i) is int for i in ids)):
+            raise ConfigError(f"ids must be node ids (ints), got {ids!r}")
+        if label is not None and not isinstance(label, str):
+            raise ConfigError(f"label must be a str, got {label!r}")
         want = set(ids or ())
 
         def ready() -> bool:
@@ -533,11 +541,14 @@ class MQ:
             return want <= have and (count is None or len(have) >= count)
 
         self._wait(ready, timeout, lambda: (f"peers {sorted(want)} / count {count} (label={label}) "
-                                            f"did not join; have {self.peers(label)}"))
+                                            f"did not join; have {self.peers(label)}{self._unanswered()}"))
         return self.peers(label)
 
     def wait_for_subscribers(self, topic: str, count: int = 1, *, timeout: float | None = None) -> list[int]:
         """Block until ``count`` live peers subscribe to ``topic``; returns their ids."""
+        _check_topic(topic)
+        if type(count) is not int or count < 0:
+            raise ConfigError(f"count must be an int >= 0, got {count!r}")
 
         def subs() -> list[int]:
             return sorted(p.node_id for p in self._peer_list() if topic in p.subscriptions and not p.lost)
@@ -1083,7 +1094,7 @@ class MQ:
 
     def _send_checked(self, peer: int, frame: Frame, timeout: float) -> Receipt | None:
         if self._state != "listening":
-            raise ClosedError("send on a queue that is not listening: use `with q:` or q.listen()")
+            raise ClosedError(self._not_listening("send"))
         p = self._peers.get(peer)
         if p is None:
             raise PeerLost(f"node {peer} is not a known peer of node {self.node_id}; known: {self.peers()}")
@@ -1117,14 +1128,15 @@ class MQ:
         if peer == self.node_id:
             raise ConfigError(f"node {peer} is this node; send to another node id")
         if self._state != "listening":
-            raise ClosedError("send on a queue that is not listening: use `with q:` or q.listen()")
+            raise ClosedError(self._not_listening("send"))
         p = self._peers.get(peer)
         if p is not None and p.lost is None:
             return
         if p is not None and p.lost:
             raise PeerLost(f"node {peer} {p.lost}")
         self._wait(lambda: peer in self._peers, timeout,
-                   lambda: f"node {peer} has not joined within {timeout:g}s; peers: {self.peers()}")
+                   lambda: f"node {peer} has not joined within {timeout:g}s; peers: {self.peers()}"
+                           f"{self._unanswered()}")
 
     def _wait(self, ready: Callable[[], bool], timeout: float | None, what: Callable[[], str]) -> None:
         deadline = time.monotonic() + self._timeout(timeout)
@@ -1136,6 +1148,20 @@ class MQ:
                 if left <= 0:
                     raise Timeout(what())
                 self._peers_changed.wait(min(left, 0.5))
+
+    def _not_listening(self, what: str) -> str:
+        if self._state == "new":
+            return f"{what} on a queue that is not listening yet: use `with q:` or q.listen() first"
+        return f"{what} after stop(): {_STOPPED}"
+
+    def _unanswered(self) -> str:
+        """Which of our greetings nobody answered: the addresses to check."""
+        with self._lock:
+            targets = sorted({str(t) for _n, t, _w in self._greetings.values()})
+        refused = {k: v for k, v in self._stats.rejected.items() if k in ("refused", "bad_proof", "duplicate_id")}
+        text = f"; no answer from {', '.join(targets)} (is a node listening there, with the same job secret?)" \
+            if targets else ""
+        return text + (f"; refused: {refused}" if refused else "")
 
     def _peer_list(self) -> list[Peer]:
         with self._peers_changed:
@@ -1158,15 +1184,23 @@ class MQ:
     def _timeout(self, timeout: float | None) -> float:
         if timeout is None:
             return self.timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
-            raise ConfigError(f"timeout must be a number of seconds (int or float), got {timeout!r}")
-        if timeout < 0:
-            raise ConfigError(f"timeout must be >= 0 seconds, got {timeout}")
-        return min(float(timeout), _MAX_TIMEOUT_S)
+        return _seconds(timeout, "timeout")
 
     def __repr__(self) -> str:
         return (f"<MQ {self.mq_type} node={self.node_id} labels={sorted(self.labels)} "
                 f"{self._state} peers={self.peers()}>")
+
+
+def _seconds(value: Any, name: str) -> float:
+    """A finite, non-negative number of seconds, or a ConfigError that says so."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds (int or float), got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ConfigError(f"{name} must be a finite number of seconds, got {value!r}: for a long "
+                          "wait pass a large number such as 3600")
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0 seconds, got {value!r}")
+    return min(float(value), _MAX_TIMEOUT_S)
 
 
 def _on_cpu(buf: Any) -> bool:

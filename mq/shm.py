@@ -300,7 +300,13 @@ class Pool:
         if not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ConfigError(f"shape must be ints >= 0, got {shape!r}")
         torch_dtype = _torch_dtype(dtype)
-        np_dtype = np.dtype(np.uint8 if torch_dtype is not None else dtype)
+        try:
+            np_dtype = np.dtype(np.uint8 if torch_dtype is not None else dtype)
+        except TypeError:
+            raise ConfigError(f"dtype must be a numpy or torch dtype (e.g. 'float32', "
+                              f"torch.float32), got {dtype!r}") from None
+        if np_dtype.hasobject:
+            raise ConfigError(f"dtype {np_dtype} holds Python objects: shared memory needs plain data")
         itemsize = torch_dtype.itemsize if torch_dtype is not None else np_dtype.itemsize
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
         with self._cond:

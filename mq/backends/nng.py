@@ -86,6 +86,9 @@ class NngTransport(Transport):
         self.listen_to = check_address(listen_to, "listen_to") if listen_to else "tcp://127.0.0.1:0"
         if isinstance(attach_to, str):
             attach_to = [a for a in attach_to.split(",") if a]
+        if not hasattr(attach_to, "__iter__"):
+            raise ConfigError(f"attach_to must be a list of addresses such as "
+                              f"['tcp://10.0.0.1:50515'], got {attach_to!r}")
         self.attach_to = [check_address(a, "attach_to address") for a in attach_to]
         self.protocol = protocol
         self.routes = frozenset({"inproc", "ipc", "tcp"} if protocol == "auto" else {"inproc", protocol})

@@ -1,0 +1,69 @@
+"""Fuzzing (hypothesis, bounded for CI): the frame decoder only ever raises ProtocolError, and
+the join handshake fed arbitrary frames never crashes a node and never admits a peer."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mq
+from mq.codec import HELLO, HELLO_ACK, LINK, VERSION, Codec, Frame
+from mq.errors import ProtocolError
+
+pytestmark = pytest.mark.timeout(120)
+
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=20),
+                 st.binary(max_size=40))
+tree = st.recursive(leaf, lambda kids: st.one_of(st.lists(kids, max_size=5),
+                                                 st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-2**63, 2**63)),
+                                                                 kids, max_size=5)), max_leaves=20)
+
+
+def _decode_or_protocol_error(data: bytes) -> None:
+    try:
+        Codec().decode_frame(data)
+    except ProtocolError:
+        pass
+
+
+@FUZZ
+@given(st.binary(max_size=600))
+def test_random_bytes_are_protocol_errors(data):
+    _decode_or_protocol_error(data)
+
+
+@FUZZ
+@given(head=st.lists(tree, min_size=0, max_size=11), tail=st.binary(max_size=200))
+def test_random_envelopes_are_protocol_errors(head, tail):
+    packed = msgpack.packb(head, use_bin_type=True)
+    _decode_or_protocol_error(len(packed).to_bytes(4, "little") + packed + tail)
+
+
+@FUZZ
+@given(kind=st.integers(0, 20), sender=tree, sizes=tree, descs=tree, tree_=st.binary(max_size=60))
+def test_mutated_fields_of_a_real_frame_are_protocol_errors(kind, sender, sizes, descs, tree_):
+    head = [VERSION, kind, "t", sender, 0, 0, tree_, sizes, descs]
+    _decode_or_protocol_error(bytes(Frame(kind, head, [], []).to_bytes()))
+
+
+@pytest.fixture(scope="module")
+def node():
+    q = mq.create("inproc", 0, listen_to="inproc://fuzz-target", timeout=2)
+    with q:
+        yield q
+
+
+@FUZZ
+@given(kind=st.sampled_from([HELLO, HELLO_ACK, LINK]), sender=st.integers(0, 5),
+       payload=st.one_of(tree, st.fixed_dictionaries(
+           {"node_id": st.integers(0, 5), "incarnation": st.text(max_size=8), "nonce": st.binary(max_size=20)},
+           optional={"token": st.text(max_size=8), "proof": st.binary(max_size=40), "read_ok": tree,
+                     "locality": tree, "shm": tree, "addresses": tree, "max_frame_bytes": tree})))
+def test_arbitrary_handshake_frames_never_crash_or_admit(node, kind, sender, payload):
+    frame = Codec().encode(kind, "", sender, 0, 0, payload)
+    node.on_frame(frame.header, [memoryview(bytes(b)) for b in frame.buffers], ("inproc", "stranger"))
+    assert node.peers() == [] and node.running
