@@ -16,6 +16,7 @@ setup(
         "pynng>=0.8",
         "click>=8.1",
         "rich>=13",
+        "prometheus_client>=0.17",
         "torch>=2.2",
     ],
     extras_require={

@@ -3,7 +3,7 @@
 One frame format for every transport: a :class:`Frame` is a header plus out-of-band buffers.
 
 ``header`` is the msgpack envelope ``[VERSION, kind, topic, sender, seq, corr, tree, sizes,
-descs]``: ``tree`` is the payload with every array, tensor, tuple and large bytes value replaced
+descs, sent_at]`` (``sent_at``: the sender's ``time.time()``, for delivery-latency metrics): ``tree`` is the payload with every array, tensor, tuple and large bytes value replaced
 by a msgpack ExtType that names its buffer; ``sizes[i]`` is buffer ``i``'s length; ``descs`` is
 None or ``{i: descriptor}`` for buffers that travel by the shm data path (:mod:`mq.shm`; their
 inline size is 0). Array and tensor data never enter the msgpack body.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import time
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -85,6 +86,8 @@ class Envelope:
     seq: int
     corr: int
     payload: Any
+    sent_at: float = 0.0  # the sender's time.time() when it encoded the frame
+    nbytes: int = 0  # the payload's buffer bytes, inline and shared
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -305,7 +308,7 @@ class Codec:
         """
         try:
             head = header if isinstance(header, list) else _unpack_head(header)
-            version, kind, topic, sender, seq, corr, tree, sizes, descs = head
+            version, kind, topic, sender, seq, corr, tree, sizes, descs, sent_at = head
         except Exception as exc:
             raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
         check_envelope(version, kind, topic, sender, corr, tree)
@@ -321,7 +324,10 @@ class Codec:
                     raise ProtocolError(f"descriptor for buffer {index!r} does not match the frame")
                 buffers[index] = resolve(sender, desc)
                 shared.add(index)
-        return Envelope(kind, topic, sender, seq, corr, self.unpack(tree, buffers, shared))
+        if not isinstance(sent_at, float):
+            raise ProtocolError("envelope send time is not a float")
+        nbytes = sum(b.nbytes if hasattr(b, "nbytes") else len(b) for b in buffers)
+        return Envelope(kind, topic, sender, seq, corr, self.unpack(tree, buffers, shared), sent_at, nbytes)
 
     def decode_frame(self, frame: Any) -> Envelope:
         """A frame in the contiguous layout -> :class:`Envelope` (no shm descriptors);
@@ -396,13 +402,14 @@ class Frame:
     def build(cls, kind: int, topic: str, sender: int, seq: int, corr: int, tree: bytes,
               buffers: list[Any]) -> "Frame":
         sizes = [_nbytes(b) for b in buffers]
-        return cls(kind, [VERSION, kind, topic, sender, seq, corr, tree, sizes, None], buffers, sizes)
+        head = [VERSION, kind, topic, sender, seq, corr, tree, sizes, None, time.time()]
+        return cls(kind, head, buffers, sizes)
 
     def with_descriptors(self, descs: dict[int, Any]) -> "Frame":
         """This frame with buffers ``descs`` names replaced by shm descriptors."""
         sizes = [0 if i in descs else n for i, n in enumerate(self.sizes)]
         buffers = [b"" if i in descs else b for i, b in enumerate(self.buffers)]
-        head = self.head[:7] + [sizes, descs]
+        head = self.head[:7] + [sizes, descs, self.head[9]]
         return Frame(self.kind, head, buffers, sizes)
 
     @property

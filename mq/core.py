@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from mq import auth as _auth
+from mq import metrics as _metrics
 from mq import shm as _shm
 from mq.codec import (BYE, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELEASE, REP_ERR, REP_OK,
                       REQ, SUBS, Codec, Envelope, Frame)
@@ -63,6 +64,7 @@ class Message:
     topic: str
     payload: Any
     sender: int
+    sent_at: float = field(default=0.0, compare=False, repr=False)  # sender's clock, for latency
 
 
 @dataclass
@@ -195,6 +197,7 @@ class MQ:
         self._handler_threads = handler_threads
         self._state = "new"  # new -> listening -> stopping -> stopped
         self._stats = Stats()
+        self._metrics = _metrics.Metrics()
 
     # ------------------------------------------------------------------ lifecycle
     def listen(self) -> "MQ":
@@ -380,6 +383,8 @@ class MQ:
                     raise
                 if receipt is not None:
                     receipts.append(receipt)
+                if frame.kind == MSG:
+                    self._metrics.sent(frame.head[2], frame.nbytes)
         finally:
             errors = []
             for receipt in receipts:
@@ -497,7 +502,7 @@ class MQ:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self._inbox.get_nowait()
+                return self._handed(self._inbox.get_nowait())
             except queue.Empty:
                 pass
             left = deadline - time.monotonic()
@@ -507,9 +512,13 @@ class MQ:
             # which is a large part of a small message's latency.
             if not self.transport.read_in_caller(left, self._inbox_ready):
                 try:
-                    return self._inbox.get(timeout=left)
+                    return self._handed(self._inbox.get(timeout=left))
                 except queue.Empty:
                     raise Timeout(f"no message within {timeout:g}s") from None
+
+    def _handed(self, msg: Message) -> Message:
+        self._metrics.delivered(msg.topic, msg.sent_at)
+        return msg
 
     def _inbox_ready(self) -> bool:
         return not self._inbox.empty()
@@ -556,6 +565,28 @@ class MQ:
         self._wait(lambda: len(subs()) >= count, timeout,
                    lambda: f"{count} subscriber(s) of {topic!r} did not appear; have {subs()}")
         return subs()
+
+    def metrics(self) -> dict[str, Any]:
+        """Numbers of this node for dashboards: per topic messages and bytes (totals and per
+        second since the previous call), p50/p99 delivery latency (sender clock to recv() or
+        handler), queue depths, drops and refusals by cause, the route per peer, and what
+        channels add (policy lag). See :mod:`mq.metrics`; :func:`mq.metrics.prometheus_text`
+        exports it."""
+        snap = self._metrics.snapshot()
+        s = self.stats()
+        snap.update({
+            "node": self.node_id,
+            "labels": sorted(self.labels),
+            "mq_type": self.mq_type,
+            "queues": {"recv": self._inbox.depth(), "handlers": self._handler_queue.depth()},
+            "drops": {"malformed": s.dropped_malformed, "oversized": s.dropped_oversized,
+                      "unexpected_reply": s.dropped_unexpected_reply},
+            "rejected": dict(s.rejected),
+            "routes": {p: r.kind for p, r in self.routes().items()},
+            "peers_lost": {p.node_id: p.lost for p in self._peer_list() if p.lost},
+            "shm": dict(s.shm),
+        })
+        return snap
 
     def stats(self) -> Stats:
         if self._pool is not None:
@@ -917,7 +948,8 @@ class MQ:
             if env.kind in _COUNTED:
                 peer.rx += 1
         if env.kind == MSG:
-            msg = Message(env.topic, env.payload, env.sender)
+            self._metrics.received(env.topic, env.nbytes)
+            msg = Message(env.topic, env.payload, env.sender, env.sent_at)
             with self._lock:
                 fn = self._subscriptions.get(env.topic)
             if fn is not None:
@@ -1071,6 +1103,7 @@ class MQ:
                 if self._state not in ("new", "listening"):
                     return
                 continue
+            self._metrics.delivered(msg.topic, msg.sent_at)
             try:
                 fn(msg)
             except Exception:
@@ -1263,6 +1296,9 @@ class BoundedQueue:
 
     def empty(self) -> bool:
         return self._items.empty()
+
+    def depth(self) -> dict[str, int]:
+        return {"messages": self._items.qsize(), "bytes": self._bytes}
 
 
 def _check_topic(topic: Any) -> None:

@@ -130,7 +130,7 @@ def test_oversized_frame_is_refused():
 def test_object_dtype_from_network_is_refused():
     codec = Codec()
     tree = msgpack.packb(msgpack.ExtType(2, msgpack.packb(["|O", [1], 0])))
-    head = msgpack.packb([VERSION, MSG, "t", 0, 0, 0, tree, [8], None], use_bin_type=True)
+    head = msgpack.packb([VERSION, MSG, "t", 0, 0, 0, tree, [8], None, 0.0], use_bin_type=True)
     frame = struct.pack("<I", len(head)) + head + b"\x00" * (64 - 4 - len(head)) + b"\x01" * 8
     with pytest.raises(ProtocolError, match="object"):
         codec.decode_frame(frame)

@@ -46,7 +46,7 @@ def test_random_envelopes_are_protocol_errors(head, tail):
 @FUZZ
 @given(kind=st.integers(0, 20), sender=tree, sizes=tree, descs=tree, tree_=st.binary(max_size=60))
 def test_mutated_fields_of_a_real_frame_are_protocol_errors(kind, sender, sizes, descs, tree_):
-    head = [VERSION, kind, "t", sender, 0, 0, tree_, sizes, descs]
+    head = [VERSION, kind, "t", sender, 0, 0, tree_, sizes, descs, 0.0]
     _decode_or_protocol_error(bytes(Frame(kind, head, [], []).to_bytes()))
 
 
