@@ -588,6 +588,19 @@ class MQ:
         })
         return snap
 
+    def set_metric(self, name: str, value: Any) -> None:
+        """Publish a value under ``name`` in :meth:`metrics` (channels report policy lag so)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"metric name must be a non-empty str, got {name!r}")
+        self._metrics.gauges[name] = value
+
+    def host_of(self, peer: int) -> str | None:
+        """An id of the host ``peer`` runs on (its boot id; None if unknown): peers with the same
+        id share memory, so fan-out can send once per host."""
+        p = self._peers.get(peer)
+        loc = p.info.get("locality") if p is not None else None
+        return loc.get("boot_id") if isinstance(loc, dict) else None
+
     def stats(self) -> Stats:
         if self._pool is not None:
             self._stats.shm = dict(self._pool.stats)
