@@ -172,12 +172,21 @@ class Codec:
                 "on both sides (only between peers you trust)."
             )
 
+        lift = [False]
+
         def packb(obj: Any) -> bytes:
-            return msgpack.packb(_lift_big_bytes(obj), default=default, strict_types=True,
-                                 use_bin_type=True)
+            return msgpack.packb(_lift_big_bytes(obj) if lift[0] else obj, default=default,
+                                 strict_types=True, use_bin_type=True)
 
         try:
-            return packb(payload), buffers
+            tree = packb(payload)
+            if len(tree) >= _OOB_BYTES_MIN:
+                # Large bytes went into the msgpack body: pack again with them out of band.
+                # Small payloads (the common case) never pay for looking for them.
+                lift[0] = True
+                buffers.clear()
+                tree = packb(payload)
+            return tree, buffers
         except (TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, EncodeError):
                 raise
