@@ -45,8 +45,11 @@ def learner():
 
 
 def peer(q: mq.MQ, mode: str = "hang", node_id: int = 1, pre: list[str] | None = None,
-         listen: str | None = None) -> subprocess.Popen:
-    env = dict(os.environ, **({"MQ_TEST_LISTEN": listen} if listen else {}))
+         listen: str | None = None, tls: dict | None = None) -> subprocess.Popen:
+    import json
+
+    env = dict(os.environ, **({"MQ_TEST_LISTEN": listen} if listen else {}),
+               **({"MQ_TEST_TLS": json.dumps(tls)} if tls else {}))
     proc = subprocess.Popen([*(pre or []), sys.executable, "-m", "tests.jobs.nng_peer", str(node_id),
                              q.addresses["tcp"], mode],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -252,3 +255,39 @@ def test_insecure_nodes_talk_without_a_secret_and_say_so():
         assert a.recv(timeout=5).payload == 1
     with pytest.raises(mq.ConfigError, match="not both"):
         mq.create("inproc", 2, insecure=True, secret="a-long-enough-secret")
+
+
+# ---------------------------------------------------------------------- TLS across hosts
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    import shutil
+
+    if not shutil.which("openssl"):
+        pytest.skip("needs openssl to make a test certificate")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "cert.pem"), "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost"], check=True, capture_output=True)
+    return {"cert": str(d / "cert.pem"), "key": str(d / "key.pem"), "ca": str(d / "cert.pem")}
+
+
+def test_tls_links_carry_messages_and_refuse_a_plain_peer(tls_files):
+    a = mq.create("nng", 0, listen_to="tcp://localhost:0", protocol="tcp", tls=tls_files, timeout=3)
+    with a:
+        assert a.addresses["tcp"].startswith("tls+tcp://localhost:")
+        proc = peer(a, listen="tcp://localhost:0", tls=tls_files)  # another process: a real link
+        try:
+            a.wait_for_peers(ids=[1], timeout=10)
+            assert a.routes()[1].kind == "tcp"
+            assert a.call(1, "echo", np.arange(1000), timeout=5).sum() == 499500
+        finally:
+            stop(proc)
+        with pytest.raises(mq.ConfigError, match="wants TLS"):
+            mq.create("nng", 2, attach_to=[a.addresses["tcp"]]).listen()
+
+
+def test_bad_tls_options_are_config_errors(tmp_path):
+    with pytest.raises(mq.ConfigError, match="tls must be"):
+        mq.create("nng", 0, tls={"cert": "x"})
+    with pytest.raises(mq.ConfigError, match="cannot be read"):
+        mq.create("nng", 0, tls={"cert": str(tmp_path / "no"), "key": "k", "ca": "c"})

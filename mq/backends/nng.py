@@ -43,7 +43,7 @@ log = logging.getLogger("mq.nng")
 SUPPORTED_ROUTES = ("inproc", "ipc", "tcp")
 # After a recv() caller leaves, the I/O thread waits this long before reading for itself.
 _CALLER_GRACE_S = 0.002
-_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_SCHEMES = ("tcp://", "tls+tcp://", "ipc://", "inproc://")
 
 
 def check_address(address: str, what: str = "address") -> str:
@@ -51,8 +51,8 @@ def check_address(address: str, what: str = "address") -> str:
     if not isinstance(address, str) or not address.startswith(_SCHEMES):
         raise ConfigError(f"{what} {address!r} must start with one of {', '.join(_SCHEMES)} "
                           "(e.g. tcp://127.0.0.1:50515)")
-    if address.startswith("tcp://"):
-        host, sep, port = address[len("tcp://"):].rpartition(":")
+    if address.startswith(("tcp://", "tls+tcp://")):
+        host, sep, port = address.partition("://")[2].rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ConfigError(f"{what} {address!r} needs a host and a port 0-65535, e.g. tcp://127.0.0.1:50515")
     elif address.rstrip("/").endswith(("ipc:", "inproc:")) or address.endswith("://"):
@@ -73,17 +73,28 @@ class NngTransport(Transport):
         init_method: ``tcp://host:port``, ``env://`` or ``file://path``: find peers through a
             rendezvous store instead of ``attach_to`` (needs ``world_size``).
         topology: with ``init_method``, which peers to dial: ``mesh``, ``star`` or ``alone``.
+        tls: ``{"cert": path, "key": path, "ca": path}`` (PEM files): links between hosts use
+            TLS (``tls+tcp://``), both ends proving a certificate signed by ``ca``. Same-host
+            routes (shm, ipc, inproc) do not leave the host and stay as they are.
     """
 
     name = "nng"
 
     def __init__(self, node_id: int, *, listen_to: str | None = None, attach_to: Iterable[str] = (),
                  protocol: str = "auto", send_buffer: int = 64, init_method: str | None = None,
-                 world_size: int | None = None, topology: str = "mesh", timeout: float = 30.0):
+                 world_size: int | None = None, topology: str = "mesh", tls: Any = None,
+                 timeout: float = 30.0):
         if protocol not in ("auto", "tcp", "ipc"):
             raise ConfigError(f"protocol must be auto, tcp or ipc, got {protocol!r}")
         self.node_id = node_id
         self.listen_to = check_address(listen_to, "listen_to") if listen_to else "tcp://127.0.0.1:0"
+        if self.listen_to.startswith("tls+"):  # TLS is the tls= option's business; the address is tcp
+            if tls is None:
+                raise ConfigError(f"listen_to {listen_to!r} wants TLS: give tls={{'cert':..., 'key':..., 'ca':...}}")
+            self.listen_to = self.listen_to[len("tls+"):]
+        if not self.listen_to.startswith("tcp://"):
+            raise ConfigError(f"listen_to {listen_to!r} must be a tcp:// address (ipc and inproc "
+                              "addresses are made by mq itself)")
         if isinstance(attach_to, str):
             attach_to = [a for a in attach_to.split(",") if a]
         if not hasattr(attach_to, "__iter__"):
@@ -101,6 +112,7 @@ class NngTransport(Transport):
             raise ConfigError(f"send_buffer must be an int >= 1, got {send_buffer!r}")
         self.send_buffer = send_buffer
         self.incarnation = uuid.uuid4().hex
+        self._tls = _tls_files(tls)
         self.addresses: dict[str, str] = {}
         self._node: Events | None = None
         self._state = "new"
@@ -124,11 +136,12 @@ class NngTransport(Transport):
     def start(self, node: Events) -> list[str]:
         self._node = node
         self._state = "listening"
-        sock = pynng.Pull0(recv_buffer_size=self.send_buffer, recv_max_size=node.max_frame_bytes)
+        tls = {"tls_config": self._tls_config(pynng.TLSConfig.MODE_SERVER)} if self._tls else {}
+        sock = pynng.Pull0(recv_buffer_size=self.send_buffer, recv_max_size=node.max_frame_bytes, **tls)
         self._inbox_sock = sock
         self._wake_r, self._wake_w = os.pipe()
         try:
-            listener = sock.listen(self.listen_to)
+            listener = sock.listen(("tls+" if self._tls else "") + self.listen_to)
         except pynng.AddressInUse:
             raise ConfigError(f"listen_to {self.listen_to!r} is already in use: pick another port "
                               "(or port 0 for an ephemeral one)") from None
@@ -156,7 +169,24 @@ class NngTransport(Transport):
         port = str(listener.local_address).rpartition(":")[2]
         if host in ("0.0.0.0", "*", "", "[::]"):
             host = os.environ.get("MQ_ADVERTISE_HOST") or local().hostname
-        return f"tcp://{host}:{port}"
+        return f"{'tls+' if self._tls else ''}tcp://{host}:{port}"
+
+    def _tls_config(self, mode: int, server_name: str | None = None) -> pynng.TLSConfig:
+        files = self._tls
+        assert files is not None
+        return pynng.TLSConfig(mode, ca_string=files["ca"], own_cert_string=files["cert"],
+                               own_key_string=files["key"], server_name=server_name,
+                               auth_mode=pynng.TLSConfig.AUTH_MODE_REQUIRED)
+
+    def _push(self, address: str, **options: Any) -> pynng.Push0:
+        """An outgoing socket for ``address``, with a TLS client config for tls+tcp."""
+        if address.startswith("tls+tcp://"):
+            if not self._tls:
+                raise ConfigError(f"{address} wants TLS: give this node tls={{'cert':..., 'key':..., "
+                                  "'ca':...}} like its peers")
+            host = address.partition("://")[2].rpartition(":")[0].strip("[]")
+            options["tls_config"] = self._tls_config(pynng.TLSConfig.MODE_CLIENT, host)
+        return pynng.Push0(**options)
 
     def close(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -187,8 +217,9 @@ class NngTransport(Transport):
 
     # ------------------------------------------------------------------ joining
     def greet(self, target: str, frame: Frame, token: str) -> None:
-        sock = pynng.Push0(send_buffer_size=4, send_timeout=int(self.timeout * 1000))
-        sock.dial(check_address(target, "attach_to address"), block=False)  # retries until the peer listens
+        sock = self._push(check_address(target, "attach_to address"), send_buffer_size=4,
+                          send_timeout=int(self.timeout * 1000))
+        sock.dial(target, block=False)  # retries until the peer listens
         with self._net_lock:
             self._bootstrap[token] = sock
         # The frame waits in the socket's buffer until the connection is up.
@@ -222,7 +253,7 @@ class NngTransport(Transport):
             sock.close()  # a send blocked on it returns (Closed) at once
 
     def _dial_peer(self, peer_id: int, address: str) -> pynng.Push0:
-        sock = pynng.Push0(send_buffer_size=self.send_buffer)
+        sock = self._push(address, send_buffer_size=self.send_buffer)
 
         def removed(_pipe: Any) -> None:
             # The peer's process died or closed: a later send fails fast with PeerLost.
@@ -331,6 +362,22 @@ class NngTransport(Transport):
         finally:
             del frame  # do not hold the last message while waiting for the next
         self._node.on_frame(header, buffers, link)
+
+
+def _tls_files(tls: Any) -> dict[str, str] | None:
+    """Read the PEM files named by the ``tls`` option; ConfigError naming what is wrong."""
+    if tls is None:
+        return None
+    if not isinstance(tls, dict) or set(tls) != {"cert", "key", "ca"}:
+        raise ConfigError(f"tls must be {{'cert': path, 'key': path, 'ca': path}} (PEM files), got {tls!r}")
+    out = {}
+    for name, path in tls.items():
+        try:
+            with open(path) as f:
+                out[name] = f.read()
+        except (OSError, TypeError) as exc:
+            raise ConfigError(f"tls {name} file {path!r} cannot be read: {exc}") from None
+    return out
 
 
 def _send_msg(sock: pynng.Socket, frame: Frame, *, block: bool) -> None:

@@ -6,6 +6,7 @@ senders block); ``small`` accepts frames of at most 1 MiB.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -16,6 +17,8 @@ import mq
 def main() -> None:
     node_id, attach, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     options = {"stall": {"queue_size": 2}, "small": {"max_frame_bytes": 1 << 20}}.get(mode, {})
+    if os.environ.get("MQ_TEST_TLS"):  # {"cert","key","ca"} as JSON: links over TLS
+        options.update(tls=json.loads(os.environ["MQ_TEST_TLS"]), protocol="tcp")
     if os.environ.get("MQ_TEST_LISTEN"):  # another "host": listen where the test can dial back
         options["listen_to"] = os.environ["MQ_TEST_LISTEN"]
     q = mq.create("nng", node_id, "peer", attach_to=[attach], timeout=10, **options)
