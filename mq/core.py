@@ -46,6 +46,8 @@ from mq.transport import Receipt, Transport
 log = logging.getLogger("mq")
 
 DEFAULT_TIMEOUT_S = 30.0
+# A greeting nobody answered is sent again after this long.
+_REGREET_S = 3.0
 # Joins in progress (HELLO answered, LINK not yet) kept at once; the oldest go first.
 _MAX_PENDING = 64
 # Frames these kinds carry are counted both ways; receipts (PING "rx") acknowledge them.
@@ -1043,9 +1045,17 @@ class MQ:
                 for key, (_n, _peer, t) in list(self._pending.items()):
                     if now - t > self.timeout:
                         self._drop_pending(key, f"no LINK within {self.timeout:g}s")
-                for token, (_n, _target, t) in list(self._greetings.items()):
-                    if now - t > max(self.timeout, 60.0):
-                        del self._greetings[token]
+                # Greet again whoever did not answer: it may have refused us while an earlier
+                # process of our node id still looked alive to it, or started after us.
+                stale = [(tok, target) for tok, (_n, target, t) in self._greetings.items()
+                         if now - t > _REGREET_S]
+                for token, _target in stale:
+                    del self._greetings[token]
+            for _token, target in stale:
+                try:
+                    self._greet(target)
+                except (MQError, OSError) as exc:
+                    log.debug("node %d: greeting %s again: %s", self.node_id, target, exc)
 
     def flush(self, peer: int, timeout: float | None = None) -> None:
         """Block until ``peer`` confirmed every message, call and reply sent to it so far.

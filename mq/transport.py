@@ -13,7 +13,8 @@ Contract (every method may be called from any thread unless it says otherwise):
 ``greet(target, frame, token)``
     Send a HELLO frame to a target whose node id is not known yet. Best effort and
     non-blocking: the answer comes back as a frame whose HELLO_ACK payload echoes ``token``
-    (``connect`` may then drop whatever it opened for the greeting).
+    (``connect`` may then drop whatever it opened for the greeting). Greeting a target again
+    replaces the earlier greeting (core re-greets targets that did not answer).
 ``connect(peer, info, route)``
     Open the data link to a peer that said HELLO (``info`` is its HELLO payload, ``route`` the
     route core chose). Idempotent for the same peer incarnation. Symmetric: both sides call it.

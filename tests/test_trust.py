@@ -176,6 +176,23 @@ def test_a_blocked_sender_gets_peer_lost_within_a_second_of_sigkill(learner):
         stop(proc)
 
 
+def test_a_node_that_comes_back_as_a_new_process_rejoins_once(learner):
+    first = peer(learner)
+    try:
+        learner.wait_for_peers(ids=[1], timeout=10)
+        old = learner._peers[1].info["incarnation"]
+        os.kill(first.pid, signal.SIGKILL)
+        second = peer(learner)  # same node id, new process, while the old one may look alive
+        try:
+            assert wait_until(lambda: 1 in learner.peers() and learner._peers[1].info["incarnation"] != old, 15)
+            assert learner.peers() == [1]
+            assert learner.call(1, "echo", "new", timeout=5) == "new"
+        finally:
+            stop(second)
+    finally:
+        stop(first)
+
+
 def test_flush_confirms_what_a_live_peer_received(learner):
     proc = peer(learner)
     try:

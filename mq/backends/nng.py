@@ -121,7 +121,8 @@ class NngTransport(Transport):
         self._out_incarnation: dict[int, Any] = {}
         self._out_locks: dict[int, threading.Lock] = {}
         self._out_timeout: dict[int, int] = {}
-        self._bootstrap: dict[str, pynng.Push0] = {}
+        self._bootstrap: dict[str, pynng.Push0] = {}  # greeting token -> its socket
+        self._bootstrap_to: dict[str, str] = {}  # target -> its latest greeting token
         self._reader: threading.Thread | None = None
         self._read_token = threading.Lock()
         self._readers_changed = threading.Condition()
@@ -222,6 +223,11 @@ class NngTransport(Transport):
         sock.dial(target, block=False)  # retries until the peer listens
         with self._net_lock:
             self._bootstrap[token] = sock
+            # A new greeting of the same target replaces the unanswered one.
+            old = self._bootstrap.pop(self._bootstrap_to.pop(target, ""), None)
+            self._bootstrap_to[target] = token
+        if old is not None:
+            old.close()
         # The frame waits in the socket's buffer until the connection is up.
         _send_msg(sock, frame, block=True)
 
