@@ -43,6 +43,16 @@ def run_group(mq_type: str, scenario: str, *, n: int = 2, protocol: str = "auto"
         return results
 
 
+def wait_until(cond: Any, timeout: float = 10.0) -> bool:
+    """Poll ``cond()`` until it is true or ``timeout`` seconds pass (never a bare sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def _run_threads(scenario: str, n: int, labels: Any, options: dict[str, Any],
                  deadline_s: float) -> dict[int, Any]:
     """The in-process transport's job: every node is a thread of this process."""

@@ -16,6 +16,7 @@ import pynng
 import pytest
 
 import mq
+from mq.testing import wait_until
 from mq.backends.nng import check_address
 from mq.launch import free_port
 
@@ -31,15 +32,6 @@ def node():
     with q:
         q.on("echo", lambda x: x)
         yield q
-
-
-def wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_hostile_frames_are_dropped_counted_and_the_node_keeps_serving(node):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mq
+from mq.testing import wait_until
 from mq.errors import ProtocolError
 from mq.shm import Pool, PoolReader, ReleaseQueue
 
@@ -22,15 +23,6 @@ pytestmark = pytest.mark.timeout(90)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1 << 20
-
-
-def wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 # ---------------------------------------------------------------------- one process: pool + reader

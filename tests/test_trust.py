@@ -18,21 +18,13 @@ import pynng
 import pytest
 
 import mq
+from mq.testing import wait_until
 from mq import auth
 from mq.codec import BYE, HELLO, LINK, MSG, Codec
 
 pytestmark = pytest.mark.timeout(90)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def wait_until(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.fixture
