@@ -17,6 +17,7 @@ setup(
         "click>=8.1",
         "rich>=13",
         "torch>=2.2",
+        "python-hostlist>=1.23",  # Slurm hostlist expansion (mq.platforms)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90"],

@@ -189,9 +189,17 @@ def test_labels_forms(labels, expected):
 
 
 def test_plan_slurm_from_recorded_environment():
-    env = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
-           "SLURM_TASKS_PER_NODE": "1(x2)"}
-    plan = make_plan("tests.jobs.roles:ok", n_workers=2, platform="slurm", environ=env)
+    env = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "gpu[01-02]",
+           "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "1"}
+    plan = make_plan("tests.jobs.roles:ok", n_workers=2, platform="slurm", environ=env,
+                     roles="learner:1,collector:*", check_network=False)
     assert plan.node_ids == [2, 3] and plan.world_size == 4
     assert plan.options[2]["listen_to"].startswith("tcp://gpu02:")
     assert any("gpu01" in a for a in plan.options[2]["attach_to"])
+    assert plan.labels == {2: ["collector"], 3: ["collector"]}
+    per_task = make_plan("tests.jobs.roles:ok", platform="slurm", environ=dict(env, SLURM_STEP_TASKS_PER_NODE="2(x2)",
+                         SLURM_PROCID="0", SLURM_NODEID="0"), roles="learner:1,collector:*",
+                         mq_type="torchrpc:cpu", check_network=False)
+    assert per_task.node_ids == [0] and per_task.world_size == 4 and per_task.labels == {0: ["learner"]}
+    assert per_task.options[0] == {"init_method": "tcp://gpu01:50514", "world_size": 4}
