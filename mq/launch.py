@@ -503,7 +503,8 @@ def _supervise(plan: Plan, procs: dict[int, Any], deadline_s: float | None, repo
                                                   "error": f"its process exited with {_describe_exit(code)}"})
             _stop_all(procs)
             while not reports.empty():  # an aborted worker reported why before it exited
-                aborted_by = aborted_by or reports.get()
+                report = reports.get()
+                aborted_by = aborted_by or report
             stopped = (0, None, EXIT_ABORTED, EXIT_INT, EXIT_TERM, -signal.SIGTERM, -signal.SIGKILL)
             for n, p in procs.items():  # the ones we had to stop are not failures of their own
                 if n not in failures and p.exitcode not in stopped:
