@@ -569,7 +569,8 @@ def from_slurm(
             raise ConfigError(
                 f"srun started {tasks[host_index]} tasks on {hosts[host_index]} but "
                 f"-n/--parallel-workers {workers_per_node} runs one launcher per host: use "
-                f"srun --ntasks-per-node=1, or drop -n to run one worker per Slurm task"
+                f"srun --ntasks-per-node=1 -n {len(hosts)} (inside an allocation srun "
+                f"inherits its task count), or drop -n to run one worker per Slurm task"
             )
         counts = [workers_per_node] * len(hosts)
         first = host_index * workers_per_node

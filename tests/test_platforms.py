@@ -269,7 +269,7 @@ def test_slurm_per_host_rejects_several_tasks_on_a_host():
     for procid, localid in [(0, 0), (2, 2)]:
         env = dict(SLURM_PER_TASK_ENV, SLURM_PROCID=str(procid), SLURM_LOCALID=str(localid))
         with pytest.raises(ConfigError, match=r"srun started 3 tasks on mqtn1 but -n/--parallel-workers 2 "
-                           r"runs one launcher per host: use srun --ntasks-per-node=1, or drop -n"):
+                           r"runs one launcher per host: use srun --ntasks-per-node=1 -n 2 .*, or drop -n"):
             from_slurm(env, workers_per_node=2)
 
 

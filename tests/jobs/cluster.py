@@ -25,6 +25,7 @@ def learn(ctx: mq.Context) -> None:
         q.on("square", lambda x: (served.append(x), x * x)[1])
     q.subscribe("done")
     q.wait_for_peers(ctx.world_size - 1, timeout=60)
+    met = _met(ctx)  # before anyone leaves
     learners = q.peers(label="learner")
     result = None
     if "learner" in ctx.labels:
@@ -39,14 +40,14 @@ def learn(ctx: mq.Context) -> None:
         result = q.call(learners[0], "square", ctx.node_id, timeout=30)
         assert result == ctx.node_id ** 2, result
         assert q.recv(timeout=60).topic == "done"
-    _say(ctx, result=result, learners=learners)
+    _say(ctx, met, result=result, learners=learners)
 
 
 def crash_last(ctx: mq.Context) -> None:
     """The last node raises once every node has joined; the others would sleep a minute."""
     _record_pid(ctx)
     ctx.mq.wait_for_peers(ctx.world_size - 1, timeout=60)
-    _say(ctx)
+    _say(ctx, _met(ctx))
     if ctx.node_id == ctx.world_size - 1:
         time.sleep(0.5)
         raise RuntimeError(f"node {ctx.node_id} exploded on purpose")
@@ -74,17 +75,23 @@ def wait_forever(ctx: mq.Context) -> None:
     """Join the whole job, say so, and sleep until stopped (SIGTERM / scancel tests)."""
     _record_pid(ctx)
     ctx.mq.wait_for_peers(ctx.world_size - 1, timeout=60)
-    _say(ctx)
+    _say(ctx, _met(ctx))
     time.sleep(600)
 
 
-def _say(ctx: mq.Context, **extra: object) -> None:
+def _met(ctx: mq.Context) -> dict[str, object]:
     q = ctx.mq
-    print(json.dumps({
+    return {"peers": q.peers(), "routes": sorted({r.kind for r in q.routes().values()})}
+
+
+def _say(ctx: mq.Context, met: dict[str, object], **extra: object) -> None:
+    line = json.dumps({
         "node": ctx.node_id, "labels": sorted(ctx.labels), "world": ctx.world_size,
-        "host": os.environ.get("SLURMD_NODENAME", ""), "peers": q.peers(),
-        "routes": sorted({r.kind for r in q.routes().values()}), "pid": os.getpid(), **extra,
-    }), flush=True)
+        "host": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(), "launcher": os.getppid(), **met, **extra,
+    })
+    # One write per line: a host's workers share the launcher's stdout, and print() writes the
+    # newline separately when Python runs unbuffered.
+    os.write(1, (line + "\n").encode())
 
 
 def _record_pid(ctx: mq.Context) -> None:
