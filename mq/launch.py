@@ -560,6 +560,10 @@ class _Stop(BaseException):
         self.code = code
 
 
+#: Signals a worker turns into a stop of its main: launcher/scheduler stops and aborts.
+_JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class _WorkerState:
     """What a worker's signal and abort handlers share with its main thread."""
 
@@ -580,6 +584,7 @@ def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
     def on_signal(signum: int, frame: Any) -> None:
         if state.stopping:
             return
+        state.stopping = True  # raise once: a second pending signal must not hit the cleanup
         if signum == signal.SIGUSR1:
             raise _Stop(EXIT_ABORTED, "another node failed")
         if signum == signal.SIGUSR2:  # the launcher: a sibling died without telling anyone
@@ -599,8 +604,9 @@ def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
         state.relay = plan.mq_type == "nng" and plan.topology != "mesh"  # a star leaf knows only the hub
         signal.pthread_kill(main_ident, signal.SIGUSR1)  # wakes main even in a blocking call
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+    for signum in _JOB_SIGNALS:
         signal.signal(signum, on_signal)
+    _wake_main_on_signals(state, main_ident)
     code, q = 1, None
     try:
         fn = resolve_main(plan.main, plan.package)
@@ -635,6 +641,30 @@ def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
     _finish(q, state, node_id, code)
 
 
+def _wake_main_on_signals(state: _WorkerState, main_ident: int | None) -> None:
+    """Make a stop signal interrupt the main thread wherever the kernel delivered it.
+
+    Python runs signal handlers in the main thread only, and only when it runs bytecode. A
+    signal that lands on another thread (numpy's, nng's, torch's: gVisor, for one, picks any
+    thread) would leave ``main`` asleep in a blocking call. The C-level handler still writes
+    the signal number to the wakeup fd, so a watcher thread pokes the main thread with a
+    no-op SIGURG, whose EINTR makes it run the pending handler at once.
+    """
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGURG, lambda *_: None)
+    wanted = {int(s) for s in _JOB_SIGNALS}
+
+    def watch() -> None:
+        while True:
+            data = os.read(r, 64)
+            if not state.stopping and wanted.intersection(data) and main_ident is not None:
+                signal.pthread_kill(main_ident, signal.SIGURG)
+
+    threading.Thread(target=watch, daemon=True, name="mq-signals").start()
+
+
 def _finish(q: Any, state: _WorkerState, node_id: int, code: int) -> None:
     """Tell the peers if needed, stop the queue within a bound, and exit now: threads stuck in
     a user's handler must not keep a finished worker alive."""
@@ -651,7 +681,7 @@ def _finish(q: Any, state: _WorkerState, node_id: int, code: int) -> None:
         except Exception:
             log.exception("node %d: error while stopping the queue", node_id)
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+    for signum in _JOB_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     stopper = threading.Thread(target=stop, daemon=True, name=f"mq{node_id}-stop")
     stopper.start()
