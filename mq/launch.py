@@ -350,7 +350,7 @@ def _check_platform_network(pplan: Any, mq_type: str, init_method: str | None) -
     if rendezvous.scheme == "tcp":
         hosts.append(rendezvous.host)
     ips = platforms.resolve_hosts(hosts, pplan.source)
-    here = pplan.hosts[pplan.host_index]
+    here = pplan.addresses[pplan.node_ids[0]]
     if pplan.discovery == "rendezvous" and ips[here] != here:
         # Peers learn this address from the store: give them the IP, not a pod-local name.
         listen = {n: f"tcp://{ips[here]}:{pplan.ports[n]}" for n in pplan.node_ids}

@@ -370,3 +370,26 @@ def test_failed_worker_exits_promptly_despite_a_stuck_handler(tmp_path):
     assert r.returncode == 1 and "failed while a handler is stuck" in r.stderr, r.stderr
     assert took < 25, f"{took:.0f}s: the failed worker waited on its stuck handler thread"
     assert wait_dead(read_pids(tmp_path)) == []
+
+
+@pytest.mark.parametrize("mq_type", ["nng", "torchrpc:cpu"])
+def test_k8s_torchrun_environment_meets_through_master(mq_type):
+    """Two "pods" with PyTorchJob's variables (MASTER_ADDR/PORT, WORLD_SIZE, RANK) on loopback."""
+    import json
+
+    from mq.launch import free_port
+
+    master = free_port()
+    pods = []
+    for rank, port in enumerate([free_port(), free_port()]):
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "WORLD_SIZE": "2", "RANK": str(rank),
+               "POD_IP": "127.0.0.1", "DI_NODES": ""}
+        pods.append(start(["--platform", "k8s", "--mq-type", mq_type, "--main", "tests.jobs.cluster:learn",
+                           "-n", "2", "--ports", str(port), "--roles", "learner:1,collector:*"], env))
+    results = finish(*pods, timeout=80)
+    assert [code for code, _, _ in results] == [0, 0], results
+    nodes = {json.loads(line)["node"]: json.loads(line) for _, out, _ in results
+             for line in out.splitlines() if line.startswith("{")}
+    assert sorted(nodes) == [0, 1, 2, 3]
+    assert nodes[0]["labels"] == ["learner"] and nodes[0]["result"] == [1, 2, 3]
+    assert all(nodes[n]["peers"] == [p for p in range(4) if p != n] for n in nodes)
