@@ -18,6 +18,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import glob
@@ -432,7 +433,11 @@ def _sigterm_raises() -> Iterator[None]:
         return
 
     def on_term(signum: int, frame: Any) -> None:
-        raise _Terminated()
+        if not terminated:  # once: a second SIGTERM must not break off the graceful stop
+            terminated.append(signum)
+            raise _Terminated()
+
+    terminated: list[int] = []
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
@@ -686,6 +691,13 @@ def _finish(q: Any, state: _WorkerState, node_id: int, code: int) -> None:
     stopper = threading.Thread(target=stop, daemon=True, name=f"mq{node_id}-stop")
     stopper.start()
     stopper.join(ABORT_S + STOP_S + 1.0)
+    # The user's atexit hooks (checkpoints, TensorBoard writers) still run; what os._exit skips
+    # is the interpreter's join of non-daemon threads, which a stuck handler would hang forever.
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    except Exception:
+        pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
