@@ -51,6 +51,9 @@ GRACE_S = 10.0
 STOP_S = 5.0
 #: Seconds a failed worker spends telling its peers to stop.
 ABORT_S = 3.0
+#: Seconds a worker's queue gets to stop when the job is aborted: its peers are leaving too,
+#: so a farewell they can no longer answer must not hold the worker up for STOP_S.
+ABORTED_STOP_S = 2.0
 #: The reserved topic a failed worker sends to every peer; payload {node, host, error}.
 ABORT_TOPIC = "_mq.abort"
 #: Exit code of a worker stopped because another node of the job failed.
@@ -682,7 +685,8 @@ def _finish(q: Any, state: _WorkerState, node_id: int, code: int) -> None:
                 _tell_peers(q, state.tell_peers, skip=set())
             elif state.relay and state.aborted_by is not None:
                 _tell_peers(q, state.aborted_by, skip={state.aborted_by["node"]})
-            q.stop(timeout=STOP_S)
+            aborting = state.tell_peers is not None or state.aborted_by is not None
+            q.stop(timeout=ABORTED_STOP_S if aborting else STOP_S)
         except Exception:
             log.exception("node %d: error while stopping the queue", node_id)
 
