@@ -45,7 +45,8 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
                    "the host list under --platform slurm|k8s].")
 @click.option("--ports", default=None, metavar="P[,P...]",
               help="Listen ports, one per worker or a base port (consecutive). "
-                   "Default: free ports picked by the launcher.")
+                   "Default: free ports picked by the launcher; base port 50515 under "
+                   "--platform slurm|k8s.")
 @click.option("--attach-to", default=None, metavar="ADDR[,ADDR...]",
               help="nng: extra peer addresses to join, e.g. tcp://10.0.0.1:50515.")
 @click.option("--node-ids", default=None, metavar="ID[,ID...]",
@@ -85,10 +86,10 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
 
     \b
     Example (3 nodes on this machine):
-      mq run --main mq.demo:main -n 3 --roles learner:1,collector:*
+      mq run --main mq.demo:main -n 3 --roles 'learner:1,collector:*'
     \b
     On Slurm (one worker per task, or one launcher per host with -n):
-      srun -N2 -n4 mq run --platform slurm --main mypkg:main --roles learner:1,collector:*
+      srun -N2 -n4 mq run --platform slurm --main mypkg:main --roles 'learner:1,collector:*'
       srun -N2 --ntasks-per-node=1 mq run --platform slurm -n 2 --main mypkg:main ...
     """
     from mq import device_map

@@ -905,15 +905,22 @@ def resolve_hosts(hosts: Sequence[str], source: str = "", *, timeout_s: float = 
     import threading
 
     results: dict[str, str | BaseException] = {}
-
-    def lookup(host: str) -> None:
-        try:
-            results[host] = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-        except OSError as exc:
-            results[host] = exc
-
     unique = list(dict.fromkeys(hosts))
-    threads = [threading.Thread(target=lookup, args=(h,), daemon=True) for h in unique]
+    todo = list(reversed(unique))
+
+    def lookup() -> None:
+        while todo:
+            try:
+                host = todo.pop()
+            except IndexError:
+                return
+            try:
+                results[host] = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+            except OSError as exc:
+                results[host] = exc
+
+    # Daemon threads, not an executor: a lookup stuck in the resolver must not hold up exit.
+    threads = [threading.Thread(target=lookup, daemon=True) for _ in range(min(32, len(unique)))]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout_s

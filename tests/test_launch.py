@@ -393,3 +393,9 @@ def test_k8s_torchrun_environment_meets_through_master(mq_type):
     assert sorted(nodes) == [0, 1, 2, 3]
     assert nodes[0]["labels"] == ["learner"] and nodes[0]["result"] == [1, 2, 3]
     assert all(nodes[n]["peers"] == [p for p in range(4) if p != n] for n in nodes)
+
+
+def test_launch_api_takes_a_role_spec(capfd):
+    mq.launch("tests.jobs.cluster:learn", n_workers=3, roles="learner:1,collector:*")
+    out = capfd.readouterr().out
+    assert '"node": 0, "labels": ["learner"]' in out and out.count('"labels": ["collector"]') == 2
