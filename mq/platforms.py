@@ -256,10 +256,6 @@ class PlatformPlan:
             "init_method": self.init_method,
         }
 
-    def hosts_of(self, node_ids: Sequence[int]) -> str:
-        """``"n1 (nodes 0-1)"``-style text naming where some nodes run, for messages."""
-        return ", ".join(sorted({self.addresses[n] for n in node_ids if n in self.addresses}))
-
 
 def attach_lists(listen_to: Mapping[int, str], topology: str) -> dict[int, list[str]]:
     """Who dials whom, so that each connected pair is dialled exactly once.

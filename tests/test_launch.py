@@ -4,8 +4,8 @@ them all within seconds, and no process is left behind."""
 from __future__ import annotations
 
 import glob
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -312,7 +312,7 @@ def test_two_launchers_with_one_role_spec():
 
 def test_failure_on_one_launcher_ends_the_other_within_seconds(tmp_path):
     learner, collectors = two_hosts("tests.jobs.cluster:crash_last", {"MQ_TEST_PID_DIR": str(tmp_path)})
-    (lc, lo, le), (cc, co, ce) = finish(learner, collectors)
+    (lc, _, le), (cc, _, ce) = finish(learner, collectors)
     assert cc == 1 and "node 3 exited with code 1" in ce, ce
     assert lc == 1, le
     assert re.search(r"mq run: job aborted: node 3 on \S+ failed \(RuntimeError: node 3 exploded on purpose\)", le), le

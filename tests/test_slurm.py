@@ -347,7 +347,7 @@ def test_sbatch_both_forms_both_mq_types(cluster):
 def test_batch_script_without_srun_is_explained(cluster):
     cmd = " ".join(run_args(cluster, "nng", "tests.jobs.cluster:learn", "-n", "2"))
     t0 = time.monotonic()
-    code, out, err, _ = cluster.sbatch(cmd, "-N2")
+    code, _, err, _ = cluster.sbatch(cmd, "-N2")
     assert code != 0
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
