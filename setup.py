@@ -18,6 +18,7 @@ setup(
         "rich>=13",
         "prometheus_client>=0.17",
         "torch>=2.2",
+        "python-hostlist>=1.23",  # Slurm hostlist expansion (mq.platforms)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90"],

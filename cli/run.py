@@ -30,8 +30,9 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
               help="Function each worker runs as main(ctx); module:func or module.func.")
 @click.option("--package", default=None, metavar="DIR|PKG",
               help="Directory added to sys.path, or package --main is relative to.")
-@click.option("--parallel-workers", "-n", type=int, default=1, show_default=True,
-              help="Workers (nodes) to start on this machine.")
+@click.option("--parallel-workers", "-n", type=int, default=None,
+              help="Workers (nodes) to start on this machine [default: 1; under --platform slurm, "
+                   "one worker per srun task, while -n W runs W per host with one task per host].")
 @click.option("--mq-type", default="nng", show_default=True, metavar="|".join(MQ_TYPES),
               help="Backend: nng, torchrpc:cpu (GPU tensors staged via host) or torchrpc:cuda "
                    "(device to device through device maps).")
@@ -39,18 +40,23 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
               help="Who connects to whom: every pair, everyone to the first node, or nobody.")
 @click.option("--protocol", default="auto", show_default=True, metavar="auto|tcp|ipc",
               help="nng: auto picks the best route per peer (inproc/ipc/tcp); tcp or ipc force one.")
-@click.option("--address", default="127.0.0.1", show_default=True,
-              help="Host/IP this machine's workers listen on.")
+@click.option("--address", default=None,
+              help="Host/IP this machine's workers listen on [default: 127.0.0.1; derived from "
+                   "the host list under --platform slurm|k8s].")
 @click.option("--ports", default=None, metavar="P[,P...]",
               help="Listen ports, one per worker or a base port (consecutive). "
-                   "Default: free ports picked by the launcher.")
+                   "Default: free ports picked by the launcher; base port 50515 under "
+                   "--platform slurm|k8s.")
 @click.option("--attach-to", default=None, metavar="ADDR[,ADDR...]",
               help="nng: extra peer addresses to join, e.g. tcp://10.0.0.1:50515.")
 @click.option("--node-ids", default=None, metavar="ID[,ID...]",
               help="Node ids of this machine's workers (one per worker, or a start id). Default 0..n-1.")
 @click.option("--labels", multiple=True, metavar="LABEL[,LABEL]",
               help="Roles such as learner or collector. Once: for every worker; repeated once per "
-                   "worker: per worker in order.")
+                   "worker: per worker in order (local only; use --roles across hosts).")
+@click.option("--roles", default=None, metavar="ROLE:COUNT[,ROLE:*]",
+              help="Roles by rank over the whole job, in node-id order: learner:1,collector:* makes "
+                   "node 0 the learner and the rest collectors (same locally, on Slurm and k8s).")
 @click.option("--world-size", type=int, default=None,
               help="Nodes in the whole job (all machines). Default: max node id + 1.")
 @click.option("--init-method", default=None, metavar="tcp://H:P|env://|file://PATH",
@@ -69,9 +75,9 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
 @click.option("--timeout", "job_timeout", type=float, default=None,
               help="Stop the job after this many seconds (default: no limit).")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(main_: str, package: str | None, parallel_workers: int, mq_type: str, topology: str,
-        protocol: str, address: str, ports: str | None, attach_to: str | None, node_ids: str | None,
-        labels: tuple[str, ...], world_size: int | None, init_method: str | None,
+def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: str, topology: str,
+        protocol: str, address: str | None, ports: str | None, attach_to: str | None,
+        node_ids: str | None, labels: tuple[str, ...], roles: str | None, world_size: int | None, init_method: str | None,
         local_cuda_devices: str | None, cuda_device_map: str | None, platform: str,
         startup_interval: float, log_level: str, job_timeout: float | None, args: tuple[str, ...]) -> None:
     """Launch this machine's workers of a job; each runs MAIN(ctx) with its open queue.
@@ -80,20 +86,24 @@ def run(main_: str, package: str | None, parallel_workers: int, mq_type: str, to
 
     \b
     Example (3 nodes on this machine):
-      mq run --main mq.demo:main -n 3 --labels learner --labels collector --labels collector
+      mq run --main mq.demo:main -n 3 --roles 'learner:1,collector:*'
+    \b
+    On Slurm (one worker per task, or one launcher per host with -n):
+      srun -N2 -n4 mq run --platform slurm --main mypkg:main --roles 'learner:1,collector:*'
+      srun -N2 --ntasks-per-node=1 mq run --platform slurm -n 2 --main mypkg:main ...
     """
     from mq import device_map
-    from mq.launch import make_plan, run_plan
+    from mq.launch import LaunchError, make_plan, run_plan
     from mq.backends.nng import check_address
 
     try:
         attach = [check_address(a.strip(), "--attach-to address") for a in (attach_to or "").split(",") if a.strip()]
-        if len(labels) > 1 and len(labels) != parallel_workers:
-            raise ConfigError(f"--labels given {len(labels)} times for {parallel_workers} workers: "
+        if len(labels) > 1 and platform == "local" and len(labels) != (parallel_workers or 1):
+            raise ConfigError(f"--labels given {len(labels)} times for {parallel_workers or 1} workers: "
                               "give it once (all workers) or once per worker")
         plan = make_plan(
             main_, n_workers=parallel_workers, mq_type=mq_type, topology=topology,
-            labels=list(labels) if len(labels) > 1 else (labels[0] if labels else None),
+            labels=list(labels) if len(labels) > 1 else (labels[0] if labels else None), roles=roles,
             node_ids=_int_list(node_ids, "--node-ids"), world_size=world_size, protocol=protocol,
             address=address, ports=_int_list(ports, "--ports"), attach_to=attach,
             init_method=init_method,
@@ -109,6 +119,9 @@ def run(main_: str, package: str | None, parallel_workers: int, mq_type: str, to
     except KeyboardInterrupt:
         click.echo("mq run: interrupted; workers stopped", err=True)
         sys.exit(130)
+    except LaunchError as exc:
+        click.echo(f"mq run: {exc}", err=True)
+        sys.exit(exc.exit_code)
     except MQError as exc:
         click.echo(f"mq run: {exc}", err=True)
         sys.exit(1)

@@ -1,25 +1,42 @@
 """Launch a job's workers on this machine: one spawned process per node, each calling
 ``main(ctx)`` with its open message queue.
 
-Guarantees: a worker that raises prints its traceback and makes the launch fail; the other
-workers are then stopped (SIGTERM, then SIGKILL after a grace period); Ctrl-C stops them all;
-workers die with the launcher (PR_SET_PDEATHSIG), so none is left behind as an orphan.
+Guarantees:
+
+* A worker that raises prints its traceback, tells every peer of the job to stop (the
+  reserved topic ``_mq.abort``, sent with the public ``MQ.send``), stops its queue within a
+  bound and exits at once, even if a handler thread is stuck. Workers that get ``_mq.abort``
+  stop their main and exit with :data:`EXIT_ABORTED`, so a failure on one host ends the job
+  on every host within seconds, with no scheduler option such as ``--kill-on-bad-exit``.
+* The launcher then stops its other workers (SIGTERM, SIGKILL after :data:`GRACE_S`, which
+  is longer than ``stop()``'s default 5 s) and fails with a line naming the failed node.
+* SIGTERM (scancel, kubelet) and Ctrl-C are graceful stops: every worker says goodbye
+  through ``stop()``; the launcher removes the unix socket file of any worker that could not
+  (SIGKILL), so nothing is left in the temp directory.
+* Workers die with the launcher (PR_SET_PDEATHSIG), so none is left behind as an orphan.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import errno
+import glob
 import importlib
+import json
 import logging
 import multiprocessing as mp
 import os
 import signal
 import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from mq.errors import ConfigError, MQError, Timeout
 from mq.registry import check_mq_type, create
@@ -27,16 +44,51 @@ from mq.rendezvous import TOPOLOGIES, attach_targets, parse_init_method
 
 log = logging.getLogger("mq.launch")
 
-GRACE_S = 3.0
+#: Seconds a stopping worker gets before SIGKILL: stop() takes up to 5 s by default, and a
+#: failed worker first spends up to ABORT_S telling its peers.
+GRACE_S = 10.0
+#: Seconds a worker's queue gets to stop (say goodbye) when its main has ended.
+STOP_S = 5.0
+#: Seconds a failed worker spends telling its peers to stop.
+ABORT_S = 3.0
+#: Seconds a worker's queue gets to stop when the job is aborted: its peers are leaving too,
+#: so a farewell they can no longer answer must not hold the worker up for STOP_S.
+ABORTED_STOP_S = 2.0
+#: The reserved topic a failed worker sends to every peer; payload {node, host, error}.
+ABORT_TOPIC = "_mq.abort"
+#: Exit code of a worker stopped because another node of the job failed.
+EXIT_ABORTED = 3
+#: Exit codes of workers stopped by Ctrl-C and by SIGTERM.
+EXIT_INT, EXIT_TERM = 130, 143
 
 
 class LaunchError(MQError):
-    """A worker failed; ``failures`` maps node id -> exit code."""
+    """The job failed or was stopped.
 
-    def __init__(self, failures: dict[int, int]):
+    Attributes:
+        failures: node id -> exit code, for this host's workers that failed by themselves.
+        aborted_by: ``{"node", "host", "error"}`` of the node (usually on another host) whose
+            failure stopped this host's workers, or None.
+        exit_code: what ``mq run`` exits with (1, or 143 after SIGTERM).
+    """
+
+    def __init__(self, failures: dict[int, int], *, aborted_by: Mapping[str, Any] | None = None,
+                 reason: str | None = None, exit_code: int = 1):
         self.failures = failures
-        detail = ", ".join(f"node {n} exited with {_describe_exit(c)}" for n, c in sorted(failures.items()))
-        super().__init__(f"worker failed: {detail} (its traceback is printed above)")
+        self.aborted_by = dict(aborted_by) if aborted_by else None
+        self.exit_code = exit_code
+        if reason is None and failures:
+            detail = ", ".join(f"node {n} exited with {_describe_exit(c)}" for n, c in sorted(failures.items()))
+            reason = f"worker failed: {detail} (its traceback is printed above)"
+        elif reason is None and self.aborted_by:
+            reason = f"job aborted: {describe_abort(self.aborted_by)}; this host's workers were stopped"
+        super().__init__(reason or "the job failed")
+
+
+def describe_abort(info: Mapping[str, Any]) -> str:
+    """``node 1 on n1 failed (RuntimeError: ...)`` for an abort payload."""
+    host = f" on {info['host']}" if info.get("host") else ""
+    return f"node {info.get('node', '?')}{host} failed ({info.get('error', 'unknown error')})"
 
 
 @dataclass
@@ -69,6 +121,9 @@ class Plan:
     log_level: str = "WARNING"
     startup_interval: float = 0.0
     package: str | None = None
+    topology: str = "mesh"
+    #: node id -> host it runs on, for messages naming a failed node (platform plans).
+    hosts: dict[int, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- resolving main
@@ -157,18 +212,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def make_plan(main: Callable[..., Any] | str, *, n_workers: int = 1, mq_type: str = "nng",
-              topology: str = "mesh", labels: Any = None, node_ids: Iterable[int] | None = None,
-              world_size: int | None = None, protocol: str = "auto", address: str = "127.0.0.1",
-              ports: Iterable[int] | None = None, attach_to: Iterable[str] = (),
-              init_method: str | None = None, local_cuda_devices: Iterable[int] | None = None,
-              cuda_device_map: str | None = None, platform: str = "local",
-              startup_interval: float = 0.0, log_level: str = "WARNING", package: str | None = None,
-              mq_options: Mapping[str, Any] | None = None, args: Mapping[str, Any] | None = None,
-              environ: Mapping[str, str] | None = None) -> Plan:
-    """Validate every option and decide each worker's node id, labels and queue options."""
+def make_plan(main: Callable[..., Any] | str, *, n_workers: int | None = None, mq_type: str = "nng",
+              topology: str = "mesh", labels: Any = None, roles: str | None = None,
+              node_ids: Iterable[int] | None = None, world_size: int | None = None,
+              protocol: str = "auto", address: str | None = None, ports: Iterable[int] | None = None,
+              attach_to: Iterable[str] = (), init_method: str | None = None,
+              local_cuda_devices: Iterable[int] | None = None, cuda_device_map: str | None = None,
+              platform: str = "local", startup_interval: float = 0.0, log_level: str = "WARNING",
+              package: str | None = None, mq_options: Mapping[str, Any] | None = None,
+              args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+              check_network: bool = True) -> Plan:
+    """Validate every option and decide each worker's node id, labels and queue options.
+
+    ``n_workers`` None means one worker locally and, under ``platform="slurm"``, one worker
+    per Slurm task (``srun -n 4``); a number under Slurm runs that many workers per host (one
+    launcher per host). ``roles`` (``"learner:1,collector:*"``) deals labels in node-id order
+    over the whole job. ``check_network`` resolves every host name and checks this host's
+    ports before anything starts (off for planning on another machine).
+
+    Raises:
+        ConfigError: a bad option, an option the platform derives itself, a host name that
+            does not resolve, or a port already in use. The message says which and the fix.
+    """
     mq_type = check_mq_type(mq_type)
-    if not isinstance(n_workers, int) or n_workers < 1:
+    if n_workers is not None and (not isinstance(n_workers, int) or isinstance(n_workers, bool) or n_workers < 1):
         raise ConfigError(f"the number of workers must be >= 1, got {n_workers!r}")
     if topology not in TOPOLOGIES:
         raise ConfigError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
@@ -176,51 +243,72 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int = 1, mq_type: st
         raise ConfigError(f"protocol must be auto, tcp or ipc, got {protocol!r}")
     if startup_interval < 0:
         raise ConfigError(f"startup interval must be >= 0 seconds, got {startup_interval}")
+    if platform not in ("local", "slurm", "k8s"):
+        raise ConfigError(f"platform must be local, slurm or k8s, got {platform!r}")
     if init_method:
         parse_init_method(init_method, environ)
     ref = main_ref(main)
     resolve_main(ref, package)  # fail in the launcher, with one line, not in every worker
-    from mq import device_map
+    from mq import device_map, platforms
 
     cuda_devices = list(local_cuda_devices) if local_cuda_devices is not None else None
     if cuda_device_map:
         device_map.reject_for_cpu(mq_type, cuda_device_map)
-    options: dict[int, dict[str, Any]] = {}
+    port_list = list(ports) if ports else []
+    hosts: dict[int, str] = {}
     if platform in ("slurm", "k8s"):
-        from mq import platforms
-
+        _reject_derived(platform, mq_type, node_ids=node_ids, address=address,
+                        attach_to=list(attach_to), ports=port_list, labels=labels)
         pplan = platforms.plan_for(platform, environ=environ, workers_per_node=n_workers,
-                                   topology=topology, base_port=(list(ports)[0] if ports else platforms.DEFAULT_BASE_PORT))
+                                   topology=topology,
+                                   base_port=port_list[0] if port_list else platforms.DEFAULT_BASE_PORT)
         ids = list(pplan.node_ids)
         world = pplan.world_size
+        if world_size is not None and world_size != world:
+            raise ConfigError(f"--world-size {world_size} conflicts with --platform {platform}, whose "
+                              f"job has {world} nodes; drop --world-size")
+        if init_method and mq_type == "nng" and pplan.discovery == "static":
+            raise ConfigError(f"--init-method conflicts with --platform {platform}: nng workers find "
+                              f"each other at the addresses of {pplan.source}; drop --init-method")
+        if check_network:
+            pplan = _check_platform_network(pplan, mq_type, init_method)
+        hosts = {n: h for n, h in pplan.addresses.items()}
+        options = {}
         for n in ids:
             o = pplan.options_for(n)
-            options[n] = ({"listen_to": o["listen_to"], "attach_to": o["attach_to"]} if mq_type == "nng"
-                          else {"init_method": o["init_method"], "world_size": o["world_size"]})
-    elif platform == "local":
+            if mq_type != "nng":
+                options[n] = {"init_method": init_method or o["init_method"], "world_size": world}
+            elif pplan.discovery == "static":
+                options[n] = {"listen_to": o["listen_to"], "attach_to": o["attach_to"]}
+            else:  # the workers meet in the store at init_method and dial what they find there
+                options[n] = {"listen_to": o["listen_to"], "init_method": init_method or o["init_method"],
+                              "world_size": world, "topology": topology, "attach_to": []}
+    else:
+        workers = 1 if n_workers is None else n_workers
         ids = list(node_ids) if node_ids is not None else []
-        if len(ids) == 1 and n_workers > 1:
-            ids = list(range(ids[0], ids[0] + n_workers))  # a start id
-        ids = ids or list(range(n_workers))
-        if len(ids) != n_workers or len(set(ids)) != len(ids) or min(ids) < 0:
-            raise ConfigError(f"node ids {ids} must be {n_workers} distinct non-negative ints (one per worker)")
+        if len(ids) == 1 and workers > 1:
+            ids = list(range(ids[0], ids[0] + workers))  # a start id
+        ids = ids or list(range(workers))
+        if len(ids) != workers or len(set(ids)) != len(ids) or min(ids) < 0:
+            raise ConfigError(f"node ids {ids} must be {workers} distinct non-negative ints (one per worker)")
         world = world_size if world_size is not None else max(ids) + 1
         if world < max(ids) + 1:
             raise ConfigError(f"world size {world} is too small for node ids {ids}")
-        port_list = list(ports) if ports else []
-        if port_list and len(port_list) == 1 and n_workers > 1:
-            port_list = [port_list[0] + i for i in range(n_workers)]
-        if port_list and len(port_list) != n_workers:
-            raise ConfigError(f"--ports gives {len(port_list)} ports for {n_workers} workers: give one, "
+        address = address or "127.0.0.1"
+        if port_list and len(port_list) == 1 and workers > 1:
+            port_list = [port_list[0] + i for i in range(workers)]
+        if port_list and len(port_list) != workers:
+            raise ConfigError(f"--ports gives {len(port_list)} ports for {workers} workers: give one, "
                               "or a base port")
+        if check_network:
+            ip = platforms.resolve_hosts([address], "--address")[address]
+            _check_ports_free([(address, ip, p, f"node {n}") for n, p in zip(ids, port_list)])
         if mq_type == "nng":
             options = _nng_options(ids, topology, protocol, address, port_list, list(attach_to),
                                    init_method, world)
         else:
             im = init_method or f"tcp://{address}:{free_port(address)}"
             options = {n: {"init_method": im, "world_size": world} for n in ids}
-    else:
-        raise ConfigError(f"platform must be local, slurm or k8s, got {platform!r}")
     for n in ids:
         if mq_type == "nng":
             options[n]["protocol"] = protocol
@@ -230,9 +318,73 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int = 1, mq_type: st
             if cuda_device_map:
                 options[n]["cuda_device_map"] = cuda_device_map
         options[n].update(mq_options or {})
-    return Plan(main=ref, mq_type=mq_type, node_ids=ids, labels=parse_labels(labels, ids),
+    node_labels = parse_labels(labels, ids)
+    if roles is not None:
+        by_role = platforms.assign_roles(roles, range(world))
+        node_labels = {n: sorted(set(node_labels[n]) | set(by_role[n])) for n in ids}
+    return Plan(main=ref, mq_type=mq_type, node_ids=ids, labels=node_labels,
                 options=options, world_size=world, args=dict(args or {}), log_level=log_level,
-                startup_interval=startup_interval, package=package)
+                startup_interval=startup_interval, package=package, topology=topology, hosts=hosts)
+
+
+def _reject_derived(platform: str, mq_type: str, *, node_ids: Any, address: str | None,
+                    attach_to: list[str], ports: list[int], labels: Any) -> None:
+    """Options a platform derives from the scheduler cannot also be given: say which."""
+    where = "SLURM_PROCID / the host's place in the node list" if platform == "slurm" else "the pod's rank"
+    given = [(node_ids is not None, "--node-ids", f"node ids come from {where}"),
+             (address is not None, "--address", "each host's address is its name in the job's host list"),
+             (bool(attach_to), "--attach-to", "every worker already dials the job's other workers"),
+             (len(ports) > 1, "--ports with several ports", "give one base port (--ports 50515)")]
+    for is_given, option, why in given:
+        if is_given:
+            raise ConfigError(f"{option} conflicts with --platform {platform}: {why}; drop it")
+    if isinstance(labels, (list, tuple)) and len(labels) > 1:
+        raise ConfigError(f"per-worker --labels conflict with --platform {platform}: they would repeat "
+                          "on every host; give roles by rank with --roles learner:1,collector:*")
+
+
+def _check_platform_network(pplan: Any, mq_type: str, init_method: str | None) -> Any:
+    """Resolve the plan's host names and check this host's ports, before any worker starts."""
+    from dataclasses import replace
+
+    from mq import platforms
+
+    hosts = list(pplan.hosts)
+    rendezvous = parse_init_method(init_method or pplan.init_method)
+    if rendezvous.scheme == "tcp":
+        hosts.append(rendezvous.host)
+    ips = platforms.resolve_hosts(hosts, pplan.source)
+    here = pplan.addresses[pplan.node_ids[0]]
+    if pplan.discovery == "rendezvous" and ips[here] != here:
+        # Peers learn this address from the store: give them the IP, not a pod-local name.
+        listen = {n: f"tcp://{ips[here]}:{pplan.ports[n]}" for n in pplan.node_ids}
+        pplan = replace(pplan, listen_to={**pplan.listen_to, **listen})
+    binds = []
+    if mq_type == "nng":
+        binds = [(here, ips[here], pplan.ports[n], f"node {n}") for n in pplan.node_ids]
+    if rendezvous.scheme == "tcp" and 0 in pplan.node_ids:  # node 0 hosts the store
+        binds.append((rendezvous.host, ips[rendezvous.host], rendezvous.port, "the rendezvous store"))
+    _check_ports_free(binds)
+    return pplan
+
+
+def _check_ports_free(binds: list[tuple[str, str, int, str]]) -> None:
+    """Fail fast, naming host and port, when a port is taken or the host is not this machine."""
+    for host, ip, port, who in binds:
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not a clash
+            try:
+                s.bind((ip, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"port {port} on {host} ({who}) is already in use, perhaps by "
+                                      "another job on this host: pick another base port with --ports") from None
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise ConfigError(f"{host} resolves to {ip}, which is not an address of this "
+                                      f"machine, so {who} cannot listen there: fix the name's "
+                                      "DNS or /etc/hosts entry") from None
+                raise ConfigError(f"cannot listen on {host}:{port} ({who}): {exc.strerror}") from None
 
 
 def _nng_options(ids: list[int], topology: str, protocol: str, address: str, ports: list[int],
@@ -253,19 +405,48 @@ def _nng_options(ids: list[int], topology: str, protocol: str, address: str, por
 
 
 # ---------------------------------------------------------------------- running
-def launch(main: Callable[[Context], Any] | str, n_workers: int = 1, mq_type: str = "nng",
+def launch(main: Callable[[Context], Any] | str, n_workers: int | None = None, mq_type: str = "nng",
            topology: str = "mesh", labels: Any = None, **options: Any) -> None:
-    """Run ``main(ctx)`` in ``n_workers`` spawned processes, each with an open queue.
+    """Run ``main(ctx)`` in spawned worker processes, each with an open queue.
 
-    Options are those of :func:`make_plan` (the ``mq run`` flags). Returns when every worker
-    returned.
+    ``n_workers`` workers locally (default one); under ``platform="slurm"`` the default is one
+    worker per Slurm task and a number means that many per host. Options are those of
+    :func:`make_plan` (the ``mq run`` flags), e.g. ``roles="learner:1,collector:*"``. Returns
+    when every worker returned.
 
     Raises:
         ConfigError: a bad option (nothing was started).
-        LaunchError: a worker failed; the others were stopped.
+        LaunchError: a worker failed (here or, through ``_mq.abort``, on another host) or the
+            launcher got SIGTERM; the workers were stopped.
     """
     run_plan(make_plan(main, n_workers=n_workers, mq_type=mq_type, topology=topology,
                        labels=labels, **options))
+
+
+class _Terminated(BaseException):
+    """SIGTERM reached the launcher (scancel, kubelet)."""
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into an exception in the main thread while the job runs, so the launcher
+    stops its workers gracefully instead of dying at once (and taking them down by SIGKILL)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        if not terminated:  # once: a second SIGTERM must not break off the graceful stop
+            terminated.append(signum)
+            raise _Terminated()
+
+    terminated: list[int] = []
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
@@ -276,45 +457,81 @@ def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
     os.environ.update({k: v for k, v in forksafe.fork_safe_env(os.environ, locality.local()).items()
                        if k in forksafe.FORK_SAFE_ENV})
     ctx = mp.get_context("spawn")
+    reports = ctx.SimpleQueue()  # worker -> launcher: the abort that stopped it
+    announce = ctx.Array("c", 4096)  # launcher -> workers: a failure they must tell the job about
     procs: dict[int, Any] = {}
-    try:
-        for i, n in enumerate(plan.node_ids):
-            if i and plan.startup_interval:
-                time.sleep(plan.startup_interval)
-            p = ctx.Process(target=_worker, args=(plan, n), name=f"mq-node-{n}", daemon=False)
-            p.start()
-            procs[n] = p
-        failures = _supervise(procs, deadline_s)
-    except KeyboardInterrupt:
-        _stop_all(procs)
-        raise
+    with _sigterm_raises():
+        try:
+            for i, n in enumerate(plan.node_ids):
+                if i and plan.startup_interval:
+                    time.sleep(plan.startup_interval)
+                p = ctx.Process(target=_worker, args=(plan, n, reports, announce), name=f"mq-node-{n}",
+                                daemon=False)
+                p.start()
+                procs[n] = p
+            failures, aborted_by = _supervise(plan, procs, deadline_s, reports, announce)
+        except _Terminated:
+            _stop_all(procs)
+            raise LaunchError({}, reason="stopped by SIGTERM; every worker was told to stop and say "
+                              "goodbye", exit_code=EXIT_TERM) from None
+        except KeyboardInterrupt:
+            _stop_all(procs)
+            raise
+        finally:
+            _remove_sockets(procs)
     if failures:
-        raise LaunchError(failures)
+        raise LaunchError(failures, aborted_by=aborted_by)
+    if aborted_by:
+        raise LaunchError({}, aborted_by=aborted_by)
 
 
-def _supervise(procs: dict[int, Any], deadline_s: float | None) -> dict[int, int]:
+def _supervise(plan: Plan, procs: dict[int, Any], deadline_s: float | None, reports: Any,
+               announce: Any) -> tuple[dict[int, int], dict[str, Any] | None]:
     failures: dict[int, int] = {}
+    aborted_by: dict[str, Any] | None = None
     deadline = time.monotonic() + deadline_s if deadline_s else None
     while True:
         if deadline is not None and time.monotonic() > deadline:
             _stop_all(procs)
             raise Timeout(f"the job did not finish within {deadline_s:g}s; its workers were stopped")
-        running = False
+        running = aborted = False
         for n, p in procs.items():
             code = p.exitcode
             if code is None:
                 running = True
+            elif code == EXIT_ABORTED:
+                aborted = True
             elif code != 0 and n not in failures:
                 failures[n] = code
-        if failures:
+        if failures or aborted:
+            if any(code < 0 for code in failures.values()):
+                # A worker killed by a signal told nobody: its siblings tell the job for it.
+                n, code = next((n, c) for n, c in sorted(failures.items()) if c < 0)
+                _announce(plan, procs, announce, {"node": n, "host": plan.hosts.get(n) or socket.gethostname(),
+                                                  "error": f"its process exited with {_describe_exit(code)}"})
             _stop_all(procs)
+            while not reports.empty():  # an aborted worker reported why before it exited
+                report = reports.get()
+                aborted_by = aborted_by or report
+            stopped = (0, None, EXIT_ABORTED, EXIT_INT, EXIT_TERM, -signal.SIGTERM, -signal.SIGKILL)
             for n, p in procs.items():  # the ones we had to stop are not failures of their own
-                if n not in failures and p.exitcode not in (0, None, 130, -signal.SIGTERM, -signal.SIGKILL):
+                if n not in failures and p.exitcode not in stopped:
                     failures[n] = p.exitcode
-            return failures
+            return failures, None if failures else (aborted_by or {"error": "another node failed"})
         if not running:
-            return failures
+            return failures, None
         time.sleep(0.05)
+
+
+def _announce(plan: Plan, procs: dict[int, Any], announce: Any, info: dict[str, Any]) -> None:
+    data = json.dumps(info).encode()[: len(announce) - 1]
+    announce.value = data
+    for p in procs.values():
+        if p.exitcode is None and p.pid:
+            try:
+                os.kill(p.pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
 
 
 def _stop_all(procs: dict[int, Any]) -> None:
@@ -330,27 +547,180 @@ def _stop_all(procs: dict[int, Any]) -> None:
             p.join(1.0)
 
 
-def _worker(plan: Plan, node_id: int) -> None:
+def _remove_sockets(procs: dict[int, Any]) -> None:
+    """A worker that was SIGKILLed could not close its unix socket: remove the file for it."""
+    for p in procs.values():
+        if p.pid is None or p.exitcode is None:
+            continue
+        for path in glob.glob(os.path.join(tempfile.gettempdir(), f"mq-{p.pid}-*.sock")):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+# ---------------------------------------------------------------------- the worker process
+class _Stop(BaseException):
+    """Raised in a worker's main thread to end ``main``: a signal or another node's failure."""
+
+    def __init__(self, code: int, why: str):
+        super().__init__(why)
+        self.code = code
+
+
+#: Signals a worker turns into a stop of its main: launcher/scheduler stops and aborts.
+_JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class _WorkerState:
+    """What a worker's signal and abort handlers share with its main thread."""
+
+    def __init__(self) -> None:
+        self.stopping = False  # main has ended: handlers must not raise into the cleanup
+        self.aborted_by: dict[str, Any] | None = None
+        self.tell_peers: dict[str, Any] | None = None  # a failure this worker must announce
+        self.relay = False
+
+
+def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
     _die_with_parent()
     logging.basicConfig(level=plan.log_level.upper(),
                         format=f"%(asctime)s node{node_id} %(name)s %(levelname)s: %(message)s")
-    # SIGTERM from the launcher unwinds like Ctrl-C, so `with q:` stops the queue cleanly.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    state = _WorkerState()
+    main_ident = threading.main_thread().ident
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if state.stopping:
+            return
+        state.stopping = True  # raise once: a second pending signal must not hit the cleanup
+        if signum == signal.SIGUSR1:
+            raise _Stop(EXIT_ABORTED, "another node failed")
+        if signum == signal.SIGUSR2:  # the launcher: a sibling died without telling anyone
+            try:
+                state.tell_peers = json.loads(announce.value.decode() or "{}")
+            except ValueError:
+                state.tell_peers = {"node": "?", "error": "a worker on this host failed"}
+            raise _Stop(EXIT_ABORTED, "a worker on this host failed")
+        raise _Stop(EXIT_TERM if signum == signal.SIGTERM else EXIT_INT, signal.Signals(signum).name)
+
+    def on_abort(msg: Any) -> None:  # runs on a handler thread of the queue
+        if state.stopping or state.aborted_by is not None:
+            return
+        info = msg.payload if isinstance(msg.payload, dict) else {}
+        state.aborted_by = {"node": info.get("node", msg.sender), "host": info.get("host", ""),
+                            "error": str(info.get("error", "failed"))}
+        state.relay = plan.mq_type == "nng" and plan.topology != "mesh"  # a star leaf knows only the hub
+        signal.pthread_kill(main_ident, signal.SIGUSR1)  # wakes main even in a blocking call
+
+    for signum in _JOB_SIGNALS:
+        signal.signal(signum, on_signal)
+    _wake_main_on_signals(state, main_ident)
+    code, q = 1, None
     try:
         fn = resolve_main(plan.main, plan.package)
         labels = plan.labels.get(node_id, [])
         q = create(plan.mq_type, node_id, labels, **plan.options[node_id])
-        with q:
-            fn(Context(node_id, frozenset(labels), q, plan.mq_type, plan.world_size,
-                       list(plan.node_ids), dict(plan.args)))
+        q.listen()
+        q.subscribe(ABORT_TOPIC, on_abort)
+        fn(Context(node_id, frozenset(labels), q, plan.mq_type, plan.world_size,
+                   list(plan.node_ids), dict(plan.args)))
+        code = 0
+    except _Stop as stop:
+        state.stopping = True
+        code = stop.code
     except KeyboardInterrupt:
-        sys.exit(130)
-    except SystemExit:
-        raise
-    except BaseException:
+        state.stopping = True
+        code = EXIT_INT
+    except SystemExit as exc:
+        state.stopping = True
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:
+        state.stopping = True
         sys.stderr.write(f"mq: node {node_id} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        sys.exit(1)
+        code = 1
+        if state.aborted_by is None:  # else it failed because the job was going down anyway
+            state.tell_peers = {"node": node_id, "host": plan.hosts.get(node_id) or socket.gethostname(),
+                                "error": f"{type(exc).__name__}: {exc}"[:500]}
+    state.stopping = True
+    if state.aborted_by is not None and state.tell_peers is None:
+        code = EXIT_ABORTED
+        reports.put(state.aborted_by)
+        sys.stderr.write(f"mq: node {node_id} stopped: {describe_abort(state.aborted_by)}\n")
+    _finish(q, state, node_id, code)
+
+
+def _wake_main_on_signals(state: _WorkerState, main_ident: int | None) -> None:
+    """Make a stop signal interrupt the main thread wherever the kernel delivered it.
+
+    Python runs signal handlers in the main thread only, and only when it runs bytecode. A
+    signal that lands on another thread (numpy's, nng's, torch's: gVisor, for one, picks any
+    thread) would leave ``main`` asleep in a blocking call. The C-level handler still writes
+    the signal number to the wakeup fd, so a watcher thread pokes the main thread with a
+    no-op SIGURG, whose EINTR makes it run the pending handler at once.
+    """
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGURG, lambda *_: None)
+    wanted = {int(s) for s in _JOB_SIGNALS}
+
+    def watch() -> None:
+        while True:
+            data = os.read(r, 64)
+            if not state.stopping and wanted.intersection(data) and main_ident is not None:
+                signal.pthread_kill(main_ident, signal.SIGURG)
+
+    threading.Thread(target=watch, daemon=True, name="mq-signals").start()
+
+
+def _finish(q: Any, state: _WorkerState, node_id: int, code: int) -> None:
+    """Tell the peers if needed, stop the queue within a bound, and exit now: threads stuck in
+    a user's handler must not keep a finished worker alive."""
+
+    def stop() -> None:
+        if q is None:
+            return
+        try:
+            if state.tell_peers is not None:
+                _tell_peers(q, state.tell_peers, skip=set())
+            elif state.relay and state.aborted_by is not None:
+                _tell_peers(q, state.aborted_by, skip={state.aborted_by["node"]})
+            aborting = state.tell_peers is not None or state.aborted_by is not None
+            q.stop(timeout=ABORTED_STOP_S if aborting else STOP_S)
+        except Exception:
+            log.exception("node %d: error while stopping the queue", node_id)
+
+    for signum in _JOB_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    stopper = threading.Thread(target=stop, daemon=True, name=f"mq{node_id}-stop")
+    stopper.start()
+    stopper.join(ABORT_S + STOP_S + 1.0)
+    # The user's atexit hooks (checkpoints, TensorBoard writers) still run; what os._exit skips
+    # is the interpreter's join of non-daemon threads, which a stuck handler would hang forever.
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def _tell_peers(q: Any, info: Mapping[str, Any], skip: set[Any]) -> None:
+    """Send the abort to every peer, within ABORT_S in all (a dead peer costs at most 1 s)."""
+    deadline = time.monotonic() + ABORT_S
+    for peer in q.peers():
+        left = deadline - time.monotonic()
+        if peer in skip or left <= 0:
+            continue
+        try:
+            q.send(peer, ABORT_TOPIC, dict(info), timeout=min(1.0, left))
+        except MQError as exc:
+            log.debug("node %d: could not tell node %d to stop: %s", q.node_id, peer, exc)
 
 
 def _die_with_parent() -> None:

@@ -14,30 +14,27 @@ with ``rendezvous_port`` defaulting to ``base_port - 1`` so it never collides wi
 Environment variables read
 --------------------------
 
-Slurm (:func:`from_slurm`):
+Slurm (:func:`from_slurm`), always inside a job step started by ``srun``:
 
+* ``SLURM_JOB_ID`` (inside a Slurm job at all) and ``SLURM_STEP_ID`` (inside an srun step;
+  without it only a one-host allocation can run, anything else is explained as an error).
 * ``SLURM_STEP_NODELIST``, else ``SLURM_JOB_NODELIST``, else ``SLURM_NODELIST``: the hosts,
-  in hostlist syntax (``gpu[01-02],cpu007``; see :func:`expand_hostlist`). The step list wins
-  inside ``srun`` because the step may use only part of the allocation, and ``SLURM_NODEID``
-  and ``SLURM_PROCID`` are relative to the step.
-* One launcher per host (``workers_per_node`` given; e.g. ``sbatch`` script or
-  ``srun --ntasks-per-node=1 mq run ...``): ``SLURM_NODEID`` (this host's index), else
-  ``SLURMD_NODENAME`` looked up in the host list.
-* One process per Slurm task (``workers_per_node=None``; ``srun mq run ...``):
-  ``SLURM_PROCID`` (becomes the node id), ``SLURM_LOCALID`` (the port offset on its host) and
-  the tasks per host from ``SLURM_STEP_TASKS_PER_NODE``, else ``SLURM_TASKS_PER_NODE``, else
-  ``SLURM_NTASKS_PER_NODE`` (forms ``2``, ``2(x3)``, ``2(x2),1``). Slurm's default block
-  distribution is assumed (a host's tasks have consecutive ranks); anything else is detected
-  and reported. ``SLURM_NODEID`` is cross-checked when present.
+  in hostlist syntax (``gpu[01-02],cpu007``; expanded by python-hostlist). The step list wins
+  because the step may use only part of the allocation, and the ids below are step-relative.
+* ``SLURM_PROCID``, ``SLURM_LOCALID`` and ``SLURM_STEP_TASKS_PER_NODE`` (else
+  ``SLURM_TASKS_PER_NODE``; forms ``2``, ``2(x3)``, ``2(x2),1``). One process per task
+  (``srun -n 4 mq run``): node id ``SLURM_PROCID``, port offset ``SLURM_LOCALID``. One launcher
+  per host (``srun --ntasks-per-node=1 mq run -n W``): the host's index gives the ids. Slurm's
+  default block distribution is assumed and checked; ``SLURM_NODEID`` is cross-checked.
 
-Kubernetes, DI-engine style (:func:`from_k8s`):
+Kubernetes (:func:`from_k8s`):
 
-* ``DI_NODES``: comma-separated pods, in rank order, each ``host`` or ``host:port``; hostlist
-  brackets are expanded (``learner-[0-3].mq.default.svc:50515``). A pod's port, when given, is
-  the base port of that pod's workers.
-* ``DI_RANK``: this pod's index in ``DI_NODES`` (e.g. the StatefulSet ordinal). When it is
-  missing, ``HOSTNAME`` (the pod name) is looked up among the hosts, matching either the whole
-  host or its first DNS label.
+* DI-engine style: ``DI_NODES``, comma-separated pods in rank order, each ``host`` or
+  ``host:port`` (hostlist brackets expanded: ``learner-[0-3].mq.default.svc:50515``), and
+  ``DI_RANK`` (else ``JOB_COMPLETION_INDEX`` of an Indexed Job, else ``HOSTNAME`` looked up).
+* torchrun / Kubeflow PyTorchJob style: ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``,
+  ``RANK`` (else ``JOB_COMPLETION_INDEX``), ``LOCAL_RANK`` and ``POD_IP`` (else
+  ``HOSTNAME``): workers meet through a store at ``MASTER_ADDR:MASTER_PORT``.
 
 Every missing or malformed variable is a :class:`~mq.errors.ConfigError` that names it and says
 how to fix it (run inside the allocation, or use ``--platform local``).
@@ -47,9 +44,9 @@ Hosts are used as given: IPv6 literals are not supported in host lists.
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -60,6 +57,7 @@ __all__ = [
     "PLATFORMS",
     "TOPOLOGIES",
     "PlatformPlan",
+    "assign_roles",
     "attach_lists",
     "expand_hostlist",
     "from_k8s",
@@ -67,18 +65,17 @@ __all__ = [
     "from_slurm",
     "parse_tasks_per_node",
     "plan_for",
+    "resolve_hosts",
 ]
 
 DEFAULT_BASE_PORT = 50515
 TOPOLOGIES = ("mesh", "star", "alone")
 PLATFORMS = ("local", "slurm", "k8s")
 
-# A typo such as n[1-1000000000] must fail fast instead of allocating a billion strings;
-# no real job has anywhere near this many hosts.
+# No real job has anywhere near this many hosts (python-hostlist caps a range at the same).
 _MAX_HOSTS = 100_000
 # Capping digits keeps int() away from Python's huge-integer guard (a bare ValueError).
 _MAX_DIGITS = 18
-_RANGE_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
 _TASKS_RE = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 _SLURM_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
@@ -97,108 +94,14 @@ _K8S_FIX = (
 # Hostlists
 
 
-def _split_top_level(text: str) -> list[str]:
-    """Split ``text`` at commas outside brackets, checking that brackets balance and never nest."""
-    parts: list[str] = []
-    start = 0
-    open_at = -1
-    for i, ch in enumerate(text):
-        if ch == "[":
-            if open_at >= 0:
-                raise ConfigError(
-                    f"hostlist {text!r} is malformed: '[' at position {i} opens inside the "
-                    f"bracket opened at position {open_at}; brackets cannot nest"
-                )
-            open_at = i
-        elif ch == "]":
-            if open_at < 0:
-                raise ConfigError(
-                    f"hostlist {text!r} is malformed: ']' at position {i} has no matching '['"
-                )
-            open_at = -1
-        elif ch == "," and open_at < 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if open_at >= 0:
-        raise ConfigError(
-            f"hostlist {text!r} is malformed: '[' at position {open_at} is never closed"
-        )
-    parts.append(text[start:])
-    return parts
-
-
-def _expand_bracket(body: str, token: str, text: str) -> list[str]:
-    """Expand the inside of one bracket group (``01-03,07``) into its numbers, as strings."""
-    if not body.strip():
-        raise ConfigError(f"hostlist {text!r} is malformed: {token!r} has an empty bracket '[]'")
-    out: list[str] = []
-    for item in body.split(","):
-        match = _RANGE_RE.match(item)
-        if match is None:
-            raise ConfigError(
-                f"hostlist {text!r} is malformed: {item!r} inside the brackets of {token!r} "
-                f"is not a number or a range lo-hi (such as 01-03)"
-            )
-        lo_text, hi_text = match.group(1), match.group(2)
-        if max(len(lo_text), len(hi_text or "")) > _MAX_DIGITS:
-            raise ConfigError(
-                f"hostlist {text!r} is malformed: {item!r} in {token!r} has more than "
-                f"{_MAX_DIGITS} digits"
-            )
-        lo = int(lo_text)
-        hi = lo if hi_text is None else int(hi_text)
-        if hi < lo:
-            raise ConfigError(
-                f"hostlist {text!r} is malformed: range {item!r} in {token!r} is reversed "
-                f"({hi_text} < {lo_text}); write it as {hi_text}-{lo_text}"
-            )
-        if hi - lo + 1 > _MAX_HOSTS:
-            raise ConfigError(
-                f"hostlist {text!r} is too large: range {item!r} in {token!r} names "
-                f"{hi - lo + 1} hosts (at most {_MAX_HOSTS})"
-            )
-        # Slurm pads to the width of the low bound: n[008-011] -> n008..n011, n[8-11] -> n8..n11.
-        width = len(lo_text)
-        out.extend(f"{n:0{width}d}" for n in range(lo, hi + 1))
-    return out
-
-
-def _expand_token(token: str, text: str) -> list[str]:
-    """Expand one host entry (no top-level commas), possibly with several bracket groups."""
-    if any(ch.isspace() for ch in token):
-        raise ConfigError(
-            f"hostlist {text!r} is malformed: entry {token!r} contains whitespace; separate "
-            f"hosts with commas"
-        )
-    # re.split with a capture group alternates literal, bracket body, literal, ...
-    pieces = re.split(r"\[([^\]]*)\]", token)
-    choices: list[list[str]] = []
-    total = 1
-    for i, piece in enumerate(pieces):
-        if i % 2 == 0:
-            choices.append([piece])
-        else:
-            numbers = _expand_bracket(piece, token, text)
-            total *= len(numbers)
-            if total > _MAX_HOSTS:
-                raise ConfigError(
-                    f"hostlist {text!r} is too large: entry {token!r} names more than "
-                    f"{_MAX_HOSTS} hosts"
-                )
-            choices.append(numbers)
-    # itertools.product varies the last group fastest, which is Slurm's order:
-    # rack[1-2]-n[01-02] -> rack1-n01, rack1-n02, rack2-n01, rack2-n02.
-    return ["".join(parts) for parts in itertools.product(*choices)]
-
-
 def expand_hostlist(text: str) -> list[str]:
     """Expand a Slurm hostlist expression into host names, in Slurm's order.
 
-    Supports everything Slurm prints in ``SLURM_JOB_NODELIST``: comma-separated entries,
-    bracket groups with numbers and ranges (``node[01-03,07]``), zero padding that keeps the
-    low bound's width (``n[008-011]`` -> ``n008`` .. ``n011``), text after a bracket
-    (``gpu-a[1-2]-ib``), and several bracket groups in one entry, expanded as a cartesian
-    product with the last group varying fastest (``rack[1-2]-n[01-02]``). Duplicates are kept.
+    The expansion itself is python-hostlist's (``hostlist.expand_hostlist``, the library
+    Slurm sites use): bracket ranges with zero padding (``n[008-011]``), text after a bracket
+    (``gpu-a[1-2]-ib``), several bracket groups (``rack[1-2]-n[01-02]``, last varies fastest).
+    This wrapper only adds what a launcher needs on top: duplicates are kept, blanks around
+    commas are ignored, and every malformed text is a ConfigError quoting it.
 
     Args:
         text: the hostlist, e.g. ``"node[01-03,07],gpu-a[1-2]-ib,login1"``.
@@ -207,25 +110,35 @@ def expand_hostlist(text: str) -> list[str]:
         The host names.
 
     Raises:
-        ConfigError: the text is empty, has an empty entry (stray comma), unbalanced or nested
-            brackets, an empty bracket, a non-numeric or reversed range, whitespace inside an
-            entry, or expands to more than 100000 hosts. The message quotes the text.
+        ConfigError: the text is empty, has an empty entry (stray comma), whitespace inside
+            an entry, or is rejected by python-hostlist (unbalanced or nested brackets, a bad
+            or reversed range, more than 100000 hosts).
     """
+    import hostlist
+
     if not isinstance(text, str):
         raise ConfigError(f"hostlist must be a string, got {type(text).__name__}: {text!r}")
-    if not text.strip():
+    # python-hostlist silently drops empty entries and keeps blanks; a job script with either
+    # has a typo the user should see.
+    flat = re.sub(r"\s*,\s*", ",", text.strip())
+    if not flat:
         raise ConfigError(f"hostlist {text!r} is empty: expected hosts such as node[01-03],login1")
-    hosts: list[str] = []
-    for entry in _split_top_level(text.strip()):
-        entry = entry.strip()
-        if not entry:
-            raise ConfigError(
-                f"hostlist {text!r} is malformed: it has an empty entry (a leading, trailing "
-                f"or doubled comma)"
-            )
-        hosts.extend(_expand_token(entry, text))
-        if len(hosts) > _MAX_HOSTS:
-            raise ConfigError(f"hostlist {text!r} is too large: more than {_MAX_HOSTS} hosts")
+    if flat.startswith(",") or flat.endswith(",") or ",," in flat:
+        raise ConfigError(
+            f"hostlist {text!r} is malformed: it has an empty entry (a leading, trailing "
+            f"or doubled comma)"
+        )
+    if any(ch.isspace() for ch in flat):
+        raise ConfigError(
+            f"hostlist {text!r} is malformed: an entry contains whitespace; separate hosts "
+            f"with commas"
+        )
+    try:
+        hosts = hostlist.expand_hostlist(flat, allow_duplicates=True)
+    except hostlist.BadHostlist as exc:
+        raise ConfigError(f"hostlist {text!r} is malformed: {exc}") from None
+    if len(hosts) > _MAX_HOSTS:
+        raise ConfigError(f"hostlist {text!r} is too large: more than {_MAX_HOSTS} hosts")
     return hosts
 
 
@@ -298,6 +211,10 @@ class PlatformPlan:
         attach_to: node id -> addresses it dials, per ``topology``.
         init_method: ``tcp://<first host>:<rendezvous port>`` for torch RPC rendezvous.
         topology: ``"mesh"``, ``"star"`` or ``"alone"``.
+        discovery: ``"static"`` (every address above is known up front) or ``"rendezvous"``
+            (torchrun-style environments: only this host's workers are in ``listen_to``; the
+            workers find each other through the store at ``init_method``).
+        source: the variable the hosts came from, for messages (``SLURM_STEP_NODELIST``).
     """
 
     platform: str
@@ -311,6 +228,8 @@ class PlatformPlan:
     attach_to: dict[int, list[str]] = field(repr=False)
     init_method: str
     topology: str
+    discovery: str = "static"
+    source: str = ""
 
     def options_for(self, node_id: int) -> dict[str, object]:
         """The per-worker options ``mq.create`` needs, for any mq type.
@@ -333,7 +252,7 @@ class PlatformPlan:
             "node_id": node_id,
             "world_size": self.world_size,
             "listen_to": self.listen_to[node_id],
-            "attach_to": list(self.attach_to[node_id]),
+            "attach_to": list(self.attach_to.get(node_id, [])),
             "init_method": self.init_method,
         }
 
@@ -389,6 +308,7 @@ def _build_plan(
     node_ids: list[int],
     topology: str,
     rendezvous_port: int | None,
+    source: str = "",
 ) -> PlatformPlan:
     """Lay out ``counts[h]`` workers on each host ``h`` and derive every address from that."""
     _check_topology(topology)
@@ -432,6 +352,7 @@ def _build_plan(
         attach_to=attach_lists(listen_to, topology),
         init_method=first,
         topology=topology,
+        source=source,
     )
 
 
@@ -516,7 +437,7 @@ def _slurm_host_index(environ: Mapping[str, str], hosts: list[str]) -> int | Non
         if index >= len(hosts):
             raise ConfigError(
                 f"SLURM_NODEID={index} is outside the node list of {len(hosts)} hosts "
-                f"({', '.join(hosts[:8])}{', ...' if len(hosts) > 8 else ''})"
+                f"({_some(hosts)})"
             )
         if by_name is not None and by_name != index:
             raise ConfigError(
@@ -527,10 +448,13 @@ def _slurm_host_index(environ: Mapping[str, str], hosts: list[str]) -> int | Non
         return index
     if nodename and by_name is None:
         raise ConfigError(
-            f"SLURMD_NODENAME={nodename!r} is not in the node list "
-            f"({', '.join(hosts[:8])}{', ...' if len(hosts) > 8 else ''}); {_SLURM_FIX}"
+            f"SLURMD_NODENAME={nodename!r} is not in the node list ({_some(hosts)}); {_SLURM_FIX}"
         )
     return by_name
+
+
+def _some(hosts: Sequence[str]) -> str:
+    return f"{', '.join(hosts[:8])}{', ...' if len(hosts) > 8 else ''}"
 
 
 def from_slurm(
@@ -541,16 +465,23 @@ def from_slurm(
     topology: str = "mesh",
     rendezvous_port: int | None = None,
 ) -> PlatformPlan:
-    """Plan from a Slurm allocation (``--platform slurm``).
+    """Plan from a Slurm job (``--platform slurm``).
 
-    Two launch modes:
+    The two forms a Slurm user writes, both started by ``srun``:
 
-    * ``workers_per_node`` given: one launcher per host runs ``workers_per_node`` workers.
-      Host ``h`` runs ids ``h * workers_per_node .. (h + 1) * workers_per_node - 1``.
-    * ``workers_per_node=None``: ``srun`` started one process per task, and each runs one
-      worker whose node id is ``SLURM_PROCID``; hosts may carry different task counts.
+    * ``workers_per_node=None`` (``srun -N2 -n4 mq run ...``): one worker per Slurm task. Its
+      node id is ``SLURM_PROCID`` and the world is every task of the step; hosts may carry
+      different task counts (``3,1``).
+    * ``workers_per_node=W`` (``srun -N2 --ntasks-per-node=1 mq run -n W ...``): one launcher
+      per host runs ``W`` workers; host ``h`` of the step runs ids ``h*W .. h*W+W-1``. A step
+      with more than one task on a host is an error (the launchers would collide).
 
-    Worker ``i`` of a host listens on ``base_port + i`` (``SLURM_LOCALID`` in srun mode).
+    Outside a step (the batch script itself, or an ``salloc`` shell) only a one-host
+    allocation works: it runs ``W`` workers (default: the allocation's tasks on this host).
+    A multi-host allocation without ``srun`` would start one host and wait for the others
+    forever, so it is an error saying to use ``srun``.
+
+    Worker ``i`` of a host listens on ``base_port + i`` (``SLURM_LOCALID`` per task).
 
     Args:
         environ: the environment to read; ``os.environ`` when None.
@@ -563,85 +494,83 @@ def from_slurm(
         The plan.
 
     Raises:
-        ConfigError: missing variables (all of them are listed), malformed values, a task
-            layout that is not Slurm's block distribution, or a second launcher on one host.
+        ConfigError: not inside a Slurm job, a multi-host job without srun, missing variables
+            (all of them are listed), malformed values, a task layout that is not Slurm's
+            block distribution, or several tasks on a host with ``workers_per_node``.
     """
     env = os.environ if environ is None else environ
     _check_port(base_port, "base port")
     if workers_per_node is not None:
         _check_workers(workers_per_node, "workers_per_node")
+    if _first_present(env, ("SLURM_JOB_ID", "SLURM_JOBID")) is None:
+        raise ConfigError(
+            "--platform slurm: not inside a Slurm job (SLURM_JOB_ID is not set); submit with "
+            "sbatch or salloc and start mq run with srun, or use --platform local"
+        )
+    in_step = _first_present(env, ("SLURM_STEP_ID", "SLURM_STEPID")) is not None
+    if not in_step:
+        return _slurm_outside_step(env, workers_per_node, base_port, topology, rendezvous_port)
 
     missing: list[str] = []
     list_var = _first_present(env, _SLURM_NODELIST_VARS)
     if list_var is None:
-        missing.append("SLURM_JOB_NODELIST (or SLURM_NODELIST)")
-    tasks_var = None
-    if workers_per_node is None:
-        missing.extend(v for v in ("SLURM_PROCID", "SLURM_LOCALID") if not env.get(v, "").strip())
-        tasks_var = _first_present(env, _SLURM_TASKS_VARS)
-        if tasks_var is None:
-            missing.append("SLURM_TASKS_PER_NODE (or SLURM_NTASKS_PER_NODE)")
-    elif not (env.get("SLURM_NODEID", "").strip() or env.get("SLURMD_NODENAME", "").strip()):
-        missing.append("SLURM_NODEID (or SLURMD_NODENAME)")
+        missing.append("SLURM_STEP_NODELIST (or SLURM_JOB_NODELIST)")
+    tasks_var = _first_present(env, _SLURM_TASKS_VARS)
+    if tasks_var is None:
+        missing.append("SLURM_STEP_TASKS_PER_NODE (or SLURM_TASKS_PER_NODE)")
+    missing.extend(v for v in ("SLURM_PROCID", "SLURM_LOCALID") if not env.get(v, "").strip())
     if missing:
         raise _missing_error("slurm", missing, _SLURM_FIX)
-    assert list_var is not None
-
+    assert list_var is not None and tasks_var is not None
     try:
         hosts = expand_hostlist(env[list_var])
     except ConfigError as exc:
         raise ConfigError(f"{list_var}: {exc}") from None
-
-    if workers_per_node is not None:
-        host_index = _slurm_host_index(env, hosts)
-        assert host_index is not None  # one of the two variables is set (checked above)
-        if env.get("SLURM_LOCALID", "").strip() and _env_int(env, "SLURM_LOCALID", _SLURM_FIX) != 0:
-            # A second launcher on the same host would claim the same node ids and ports.
+    tasks = parse_tasks_per_node(env[tasks_var], len(hosts), name=tasks_var)
+    procid = _env_int(env, "SLURM_PROCID", _SLURM_FIX)
+    localid = _env_int(env, "SLURM_LOCALID", _SLURM_FIX)
+    world = sum(tasks)
+    if procid >= world:
+        raise ConfigError(
+            f"SLURM_PROCID={procid} is outside the {world} tasks that {tasks_var}="
+            f"{env[tasks_var]!r} gives; the variables come from different steps"
+        )
+    offset = 0
+    host_index = 0
+    for host_index, count in enumerate(tasks):
+        if procid < offset + count:
+            break
+        offset += count
+    # Node ids and ports assume block distribution (a host's ranks are consecutive). Cyclic or
+    # arbitrary distributions break that, and would silently give two workers one port.
+    if localid != procid - offset:
+        raise ConfigError(
+            f"SLURM_PROCID={procid} with SLURM_LOCALID={localid} does not match block "
+            f"distribution over {tasks_var}={env[tasks_var]!r} (expected local id "
+            f"{procid - offset} on {hosts[host_index]}); launch with srun --distribution=block"
+        )
+    if env.get("SLURM_NODEID", "").strip():
+        nodeid = _env_int(env, "SLURM_NODEID", _SLURM_FIX)
+        if nodeid != host_index:
             raise ConfigError(
-                f"SLURM_LOCALID={env['SLURM_LOCALID'].strip()}: several launchers run on "
-                f"{hosts[host_index]}, but with --parallel-workers/workers_per_node each host "
-                f"needs exactly one; use srun --ntasks-per-node=1, or drop workers_per_node to "
-                f"run one worker per srun task"
+                f"SLURM_NODEID={nodeid} but SLURM_PROCID={procid} belongs to host "
+                f"{host_index} ({hosts[host_index]}) under block distribution; launch with "
+                f"srun --distribution=block"
+            )
+    if workers_per_node is None:
+        counts, node_ids = tasks, [procid]
+    else:
+        if tasks[host_index] > 1:
+            # Every task of the host gets the same error, so none of them starts and waits.
+            raise ConfigError(
+                f"srun started {tasks[host_index]} tasks on {hosts[host_index]} but "
+                f"-n/--parallel-workers {workers_per_node} runs one launcher per host: use "
+                f"srun --ntasks-per-node=1 -n {len(hosts)} (inside an allocation srun "
+                f"inherits its task count), or drop -n to run one worker per Slurm task"
             )
         counts = [workers_per_node] * len(hosts)
         first = host_index * workers_per_node
         node_ids = list(range(first, first + workers_per_node))
-    else:
-        assert tasks_var is not None
-        counts = parse_tasks_per_node(env[tasks_var], len(hosts), name=tasks_var)
-        procid = _env_int(env, "SLURM_PROCID", _SLURM_FIX)
-        localid = _env_int(env, "SLURM_LOCALID", _SLURM_FIX)
-        world = sum(counts)
-        if procid >= world:
-            raise ConfigError(
-                f"SLURM_PROCID={procid} is outside the {world} tasks that {tasks_var}="
-                f"{env[tasks_var]!r} gives; the variables come from different steps"
-            )
-        offset = 0
-        host_index = 0
-        for host_index, count in enumerate(counts):
-            if procid < offset + count:
-                break
-            offset += count
-        # Node ids assume block distribution (a host's ranks are consecutive). Cyclic or
-        # arbitrary distributions break that, and would silently give two workers one port.
-        if localid != procid - offset:
-            raise ConfigError(
-                f"SLURM_PROCID={procid} with SLURM_LOCALID={localid} does not match block "
-                f"distribution over {tasks_var}={env[tasks_var]!r} (expected local id "
-                f"{procid - offset} on {hosts[host_index]}); launch with srun "
-                f"--distribution=block"
-            )
-        if env.get("SLURM_NODEID", "").strip():
-            nodeid = _env_int(env, "SLURM_NODEID", _SLURM_FIX)
-            if nodeid != host_index:
-                raise ConfigError(
-                    f"SLURM_NODEID={nodeid} but SLURM_PROCID={procid} belongs to host "
-                    f"{host_index} ({hosts[host_index]}) under block distribution; launch with "
-                    f"srun --distribution=block"
-                )
-        node_ids = [procid]
-
     return _build_plan(
         platform="slurm",
         hosts=hosts,
@@ -651,6 +580,54 @@ def from_slurm(
         node_ids=node_ids,
         topology=topology,
         rendezvous_port=rendezvous_port,
+        source=list_var,
+    )
+
+
+def _slurm_outside_step(
+    env: Mapping[str, str],
+    workers_per_node: int | None,
+    base_port: int,
+    topology: str,
+    rendezvous_port: int | None,
+) -> PlatformPlan:
+    """The batch script or an salloc shell: only a one-host allocation can run from here."""
+    list_var = _first_present(env, ("SLURM_JOB_NODELIST", "SLURM_NODELIST"))
+    if list_var is None:
+        raise _missing_error("slurm", ["SLURM_JOB_NODELIST (or SLURM_NODELIST)"], _SLURM_FIX)
+    try:
+        hosts = expand_hostlist(env[list_var])
+    except ConfigError as exc:
+        raise ConfigError(f"{list_var}: {exc}") from None
+    if len(hosts) > 1:
+        raise ConfigError(
+            f"--platform slurm runs outside a job step (no SLURM_STEP_ID: the batch script or "
+            f"an salloc shell) in an allocation of {len(hosts)} hosts ({_some(hosts)}), so it "
+            f"would start one host and wait for the others; start it with srun: "
+            f"'srun mq run --platform slurm ...' (one worker per task) or 'srun "
+            f"--ntasks-per-node=1 mq run --platform slurm -n W ...' (W workers per host)"
+        )
+    host_index = _slurm_host_index(env, hosts)
+    if host_index is None:
+        raise ConfigError(
+            f"--platform slurm runs outside the allocation's host {hosts[0]} (SLURMD_NODENAME "
+            f"and SLURM_NODEID are not set: an salloc shell on the submit host); start it "
+            f"with srun"
+        )
+    workers = workers_per_node
+    if workers is None:
+        tasks_var = _first_present(env, ("SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"))
+        workers = parse_tasks_per_node(env[tasks_var], 1, name=tasks_var)[0] if tasks_var else 1
+    return _build_plan(
+        platform="slurm",
+        hosts=hosts,
+        counts=[workers],
+        host_ports=[base_port],
+        host_index=0,
+        node_ids=list(range(workers)),
+        topology=topology,
+        rendezvous_port=rendezvous_port,
+        source=list_var,
     )
 
 
@@ -679,37 +656,49 @@ def from_k8s(
     topology: str = "mesh",
     rendezvous_port: int | None = None,
 ) -> PlatformPlan:
-    """Plan from DI-engine style Kubernetes variables (``--platform k8s``).
+    """Plan from a Kubernetes pod's environment (``--platform k8s``).
 
-    Pod ``r`` (its index in ``DI_NODES``) runs ids ``r * w .. (r + 1) * w - 1`` where ``w`` is
-    ``workers_per_node`` (one when None). A pod's workers listen on consecutive ports from the
-    port given in its ``DI_NODES`` entry, or from ``base_port``.
+    Three forms, tried in this order:
+
+    * DI-engine lists: ``DI_NODES`` names every pod (``host`` or ``host:port``, hostlist
+      brackets expanded) and the pod's rank is ``DI_RANK``, else ``JOB_COMPLETION_INDEX``
+      (Indexed Job), else ``HOSTNAME`` looked up in the list (StatefulSet). Addresses are static.
+    * torchrun / Kubeflow PyTorchJob: ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` and
+      ``RANK`` (or ``JOB_COMPLETION_INDEX`` for an Indexed Job with a headless service and
+      ``MASTER_ADDR=<job>-0.<service>``). No pod knows the others' addresses, so the workers
+      meet in a store at ``tcp://MASTER_ADDR:MASTER_PORT`` (the plan's ``discovery`` is
+      ``"rendezvous"``) and each listens on ``POD_IP`` (else its own host name) at
+      ``base_port + LOCAL_RANK``.
+
+    Pod ``r`` runs ids ``r*w .. r*w+w-1`` with ``w = workers_per_node`` (one when None).
 
     Args:
         environ: the environment to read; ``os.environ`` when None.
         workers_per_node: workers per pod; None means one.
         base_port: first port of pods whose entry has no port.
         topology: ``"mesh"``, ``"star"`` or ``"alone"``.
-        rendezvous_port: torch RPC rendezvous port on the first pod; default its first
-            worker's port minus one.
+        rendezvous_port: torch RPC rendezvous port on the first pod (DI form); default its
+            first worker's port minus one.
 
     Returns:
         The plan.
 
     Raises:
-        ConfigError: missing or malformed DI_NODES / DI_RANK, a rank outside the list, or
-            two workers on one address.
+        ConfigError: missing or malformed variables, a rank outside the job, or two workers on
+            one address.
     """
     env = os.environ if environ is None else environ
     _check_port(base_port, "base port")
     workers = (
         1 if workers_per_node is None else _check_workers(workers_per_node, "workers_per_node")
     )
+    if not env.get("DI_NODES", "").strip() and env.get("MASTER_ADDR", "").strip():
+        return _k8s_torchrun(env, workers, base_port, topology)
 
     missing: list[str] = []
     if not env.get("DI_NODES", "").strip():
-        missing.append("DI_NODES")
-    if not env.get("DI_RANK", "").strip() and not env.get("HOSTNAME", "").strip():
+        missing.append("DI_NODES (or MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK)")
+    if not any(env.get(v, "").strip() for v in ("DI_RANK", "JOB_COMPLETION_INDEX", "HOSTNAME")):
         missing.append("DI_RANK")
     if missing:
         raise _missing_error("k8s", missing, _K8S_FIX)
@@ -722,11 +711,12 @@ def from_k8s(
     pairs = [_split_host_port(entry, text, base_port) for entry in entries]
     hosts = [host for host, _ in pairs]
 
-    if env.get("DI_RANK", "").strip():
-        rank = _env_int(env, "DI_RANK", _K8S_FIX)
+    rank_var = _first_present(env, ("DI_RANK", "JOB_COMPLETION_INDEX"))
+    if rank_var is not None:
+        rank = _env_int(env, rank_var, _K8S_FIX)
         if rank >= len(hosts):
             raise ConfigError(
-                f"DI_RANK={rank} is outside DI_NODES, which lists {len(hosts)} pods "
+                f"{rank_var}={rank} is outside DI_NODES, which lists {len(hosts)} pods "
                 f"(ranks 0..{len(hosts) - 1})"
             )
     else:
@@ -755,7 +745,193 @@ def from_k8s(
         node_ids=list(range(first, first + workers)),
         topology=topology,
         rendezvous_port=rendezvous_port,
+        source="DI_NODES",
     )
+
+
+_TORCHRUN_FIX = (
+    "set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK as a Kubeflow PyTorchJob does (an "
+    "Indexed Job may give JOB_COMPLETION_INDEX instead of RANK), or list the pods in DI_NODES"
+)
+
+
+def _k8s_torchrun(
+    env: Mapping[str, str], workers: int, base_port: int, topology: str
+) -> PlatformPlan:
+    """torchrun-style variables: ranks and a rendezvous address, but no list of pods."""
+    rank_var = _first_present(env, ("RANK", "JOB_COMPLETION_INDEX"))
+    missing = [v for v in ("MASTER_PORT", "WORLD_SIZE") if not env.get(v, "").strip()]
+    if rank_var is None:
+        missing.append("RANK (or JOB_COMPLETION_INDEX)")
+    if missing:
+        raise _missing_error("k8s", missing, _TORCHRUN_FIX)
+    assert rank_var is not None
+    master = env["MASTER_ADDR"].strip()
+    if any(ch.isspace() for ch in master) or not master:
+        raise ConfigError(f"MASTER_ADDR={env['MASTER_ADDR']!r} is not a host name or address")
+    master_port = _check_port(_env_int(env, "MASTER_PORT", _TORCHRUN_FIX), "MASTER_PORT")
+    pods = _env_int(env, "WORLD_SIZE", _TORCHRUN_FIX)
+    rank = _env_int(env, rank_var, _TORCHRUN_FIX)
+    if pods < 1 or rank >= pods:
+        raise ConfigError(
+            f"{rank_var}={rank} is outside WORLD_SIZE={pods} (ranks 0..{pods - 1}); the "
+            f"variables come from different jobs"
+        )
+    local_rank = _env_int(env, "LOCAL_RANK", _TORCHRUN_FIX) if env.get("LOCAL_RANK", "").strip() else 0
+    if workers > 1 and local_rank:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank}: several processes per pod (torchrun --nproc-per-node) "
+            f"but -n/--parallel-workers {workers} runs one launcher per pod; drop -n"
+        )
+    # Peers reach this pod by its IP (POD_IP from the downward API) or its host name, which
+    # Kubernetes maps to the pod IP; the launcher turns a name into an address before use.
+    here = (env.get("POD_IP") or env.get("HOSTNAME") or "").strip()
+    if not here:
+        raise _missing_error("k8s", ["POD_IP (or HOSTNAME)"], _TORCHRUN_FIX)
+    _check_topology(topology)
+    first = rank * workers
+    node_ids = list(range(first, first + workers))
+    ports = {n: _check_port(base_port + local_rank + i, "worker port") for i, n in enumerate(node_ids)}
+    return PlatformPlan(
+        platform="k8s",
+        node_ids=node_ids,
+        world_size=pods * workers,
+        host_index=rank,
+        hosts=[here],
+        addresses={n: here for n in node_ids},
+        ports=ports,
+        listen_to={n: f"tcp://{here}:{ports[n]}" for n in node_ids},
+        attach_to={n: [] for n in node_ids},
+        init_method=f"tcp://{master}:{master_port}",
+        topology=topology,
+        discovery="rendezvous",
+        source="MASTER_ADDR",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Roles by rank and host names
+
+
+_ROLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+
+
+def assign_roles(spec: str, node_ids: Sequence[int]) -> dict[int, list[str]]:
+    """Give each node of the job its role from a spec such as ``learner:1,collector:*``.
+
+    Roles are dealt in node-id order, so the spec means the same locally, under Slurm and on
+    k8s: ``learner:1,collector:*`` makes node 0 the learner and every other node a collector.
+    A count is a positive integer or ``*`` (the nodes the other roles leave, at most one
+    ``*``). A role may carry several labels joined by ``+`` (``learner+evaluator:1``).
+
+    Args:
+        spec: the role spec.
+        node_ids: every node id of the job (not just this host's).
+
+    Returns:
+        node id -> sorted labels, for every id in ``node_ids``.
+
+    Raises:
+        ConfigError: a malformed entry, a zero or non-numeric count, a repeated role, two
+            ``*``, or counts that do not add up to the job's size.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"roles {spec!r} is empty: expected a spec such as learner:1,collector:*")
+    ids = sorted(node_ids)
+    entries: list[tuple[list[str], int | None]] = []
+    seen: set[str] = set()
+    for item in (part.strip() for part in spec.split(",")):
+        name, colon, count_text = item.partition(":")
+        labels = [label.strip() for label in name.split("+")]
+        if not colon or not all(_ROLE_RE.match(label) for label in labels):
+            raise ConfigError(
+                f"roles {spec!r}: {item!r} is not role:count (such as learner:1 or collector:*)"
+            )
+        count_text = count_text.strip()
+        if count_text == "*":
+            if any(count is None for _, count in entries):
+                raise ConfigError(f"roles {spec!r}: only one role may take the rest ('*')")
+            count = None
+        elif count_text.isascii() and count_text.isdigit() and 0 < int(count_text) <= _MAX_HOSTS:
+            count = int(count_text)
+        else:
+            raise ConfigError(
+                f"roles {spec!r}: the count of {name!r} is {count_text!r}; expected a positive "
+                f"integer or '*' for the rest"
+            )
+        if "+".join(labels) in seen:
+            raise ConfigError(f"roles {spec!r}: role {name!r} is given twice; add up its counts")
+        seen.add("+".join(labels))
+        entries.append((labels, count))
+    fixed = sum(count for _, count in entries if count is not None)
+    has_rest = any(count is None for _, count in entries)
+    if fixed > len(ids) or (fixed < len(ids) and not has_rest):
+        raise ConfigError(
+            f"roles {spec!r} name {fixed} nodes but the job has {len(ids)}; fix the counts"
+            + ("" if has_rest else " or give one role the rest with '*' (collector:*)")
+        )
+    out: dict[int, list[str]] = {}
+    position = 0
+    for labels, count in entries:
+        take = len(ids) - fixed if count is None else count
+        for n in ids[position:position + take]:
+            out[n] = sorted(set(labels))
+        position += take
+    return out
+
+
+def resolve_hosts(hosts: Sequence[str], source: str = "", *, timeout_s: float = 10.0) -> dict[str, str]:
+    """Resolve every host name to an address, all at once and within ``timeout_s``.
+
+    Workers listen on and dial these names; a name that does not resolve would otherwise
+    surface as nng's "Address invalid" or a minute of torch c10d retries.
+
+    Args:
+        hosts: host names or IP addresses (duplicates are resolved once).
+        source: where the names came from (``SLURM_STEP_NODELIST``), for the message.
+        timeout_s: the bound on the whole lookup (a broken DNS server can hang for minutes).
+
+    Returns:
+        host -> IP address text.
+
+    Raises:
+        ConfigError: a name that does not resolve, or did not within ``timeout_s``.
+    """
+    import socket
+    import threading
+
+    results: dict[str, str | BaseException] = {}
+    unique = list(dict.fromkeys(hosts))
+    todo = list(reversed(unique))
+
+    def lookup() -> None:
+        while todo:
+            try:
+                host = todo.pop()
+            except IndexError:
+                return
+            try:
+                results[host] = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+            except OSError as exc:
+                results[host] = exc
+
+    # Daemon threads, not an executor: a lookup stuck in the resolver must not hold up exit.
+    threads = [threading.Thread(target=lookup, daemon=True) for _ in range(min(32, len(unique)))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    where = f" (from {source})" if source else ""
+    fix = "add it to DNS or /etc/hosts on every host, or fix the name"
+    for host in unique:
+        got = results.get(host)
+        if got is None:
+            raise ConfigError(f"host name {host!r}{where} did not resolve within {timeout_s:g}s; {fix}")
+        if isinstance(got, BaseException):
+            reason = getattr(got, "strerror", None) or str(got)
+            raise ConfigError(f"host name {host!r}{where} does not resolve ({reason}); {fix}")
+    return {host: str(results[host]) for host in unique}
 
 
 def plan_for(

@@ -3,7 +3,9 @@ them all within seconds, and no process is left behind."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,6 +141,9 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
     (["--init-method", "http://x:1"], "must start with tcp://, env:// or file://"),
     (["--parallel-workers", "two"], "'two' is not a valid integer"),
     (["--labels", "a", "--labels", "b", "--labels", "c"], "--labels given 3 times for 1 workers"),
+    (["--roles", "learner"], "'learner' is not role:count"),
+    (["-n", "2", "--roles", "learner:1,collector:2"], "roles 'learner:1,collector:2' name 3 nodes but the job has 2"),
+    (["--address", "no-such-host.invalid"], "host name 'no-such-host.invalid' (from --address) does not resolve"),
 ])
 def test_bad_options_exit_nonzero_with_one_line(args, reason):
     base = ["run", "--main", "tests.jobs.roles:ok"]
@@ -189,9 +194,208 @@ def test_labels_forms(labels, expected):
 
 
 def test_plan_slurm_from_recorded_environment():
-    env = {"SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
-           "SLURM_TASKS_PER_NODE": "1(x2)"}
-    plan = make_plan("tests.jobs.roles:ok", n_workers=2, platform="slurm", environ=env)
+    env = {"SLURM_JOB_ID": "5", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "gpu[01-02]",
+           "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
+           "SLURM_NODEID": "1"}
+    plan = make_plan("tests.jobs.roles:ok", n_workers=2, platform="slurm", environ=env,
+                     roles="learner:1,collector:*", check_network=False)
     assert plan.node_ids == [2, 3] and plan.world_size == 4
     assert plan.options[2]["listen_to"].startswith("tcp://gpu02:")
     assert any("gpu01" in a for a in plan.options[2]["attach_to"])
+    assert plan.labels == {2: ["collector"], 3: ["collector"]}
+    per_task = make_plan("tests.jobs.roles:ok", platform="slurm", environ=dict(env, SLURM_STEP_TASKS_PER_NODE="2(x2)",
+                         SLURM_PROCID="0", SLURM_NODEID="0"), roles="learner:1,collector:*",
+                         mq_type="torchrpc:cpu", check_network=False)
+    assert per_task.node_ids == [0] and per_task.world_size == 4 and per_task.labels == {0: ["learner"]}
+    assert per_task.options[0] == {"init_method": "tcp://gpu01:50514", "world_size": 4}
+
+
+# A one-task Slurm step on this machine, as srun would set it (tests/test_slurm.py runs a real one).
+SLURM_STEP = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost",
+              "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+
+
+@pytest.mark.parametrize("args, env, reason", [
+    (["--node-ids", "3"], {}, "--node-ids conflicts with --platform slurm: node ids come from SLURM_PROCID"),
+    (["--address", "10.0.0.1"], {}, "--address conflicts with --platform slurm"),
+    (["--attach-to", "tcp://10.0.0.1:5000"], {}, "--attach-to conflicts with --platform slurm"),
+    (["--ports", "5000,5001"], {}, "--ports with several ports conflicts with --platform slurm"),
+    (["--world-size", "8"], {}, "--world-size 8 conflicts with --platform slurm, whose job has 1 nodes"),
+    (["--init-method", "tcp://127.0.0.1:29500"], {}, "--init-method conflicts with --platform slurm: nng workers"),
+    (["-n", "2", "--labels", "a", "--labels", "b"], {}, "per-worker --labels conflict with --platform slurm"),
+    ([], {"SLURM_STEP_NODELIST": "no-such-host.invalid"},
+     "host name 'no-such-host.invalid' (from SLURM_STEP_NODELIST) does not resolve"),
+    ([], {"SLURM_STEP_ID": "", "SLURM_JOB_NODELIST": "a[1-2]"}, "runs outside a job step"),
+    (["-n", "2"], {"SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_LOCALID": "1", "SLURM_PROCID": "1"},
+     "srun started 2 tasks on localhost but -n/--parallel-workers 2 runs one launcher per host"),
+])
+def test_platform_conflicts_and_bad_hosts_are_one_line(args, env, reason):
+    t0 = time.monotonic()
+    r = mq_cli("run", "--main", "tests.jobs.roles:ok", "--platform", "slurm", *args, env={**SLURM_STEP, **env})
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mq run: error: "), r.stderr
+    assert reason in lines[0], lines[0]
+    assert time.monotonic() - t0 < 15
+
+
+def test_port_in_use_is_named_before_any_worker_starts():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = mq_cli("run", "--main", "tests.jobs.roles:ok", "--ports", str(port))
+        assert r.returncode == 2, r.stderr
+        assert f"port {port} on 127.0.0.1 (node 0) is already in use" in r.stderr
+        r = mq_cli("run", "--main", "tests.jobs.roles:ok", "--platform", "slurm", "--ports", str(port), env=SLURM_STEP)
+        assert r.returncode == 2 and f"port {port} on localhost (node 0) is already in use" in r.stderr, r.stderr
+
+
+def test_roles_by_rank_locally():
+    r = mq_cli("run", "--main", "tests.jobs.roles:ok", "-n", "3", "--roles", "learner:1,collector:*")
+    assert r.returncode == 0, r.stderr
+    lines = sorted(r.stdout.splitlines())
+    assert lines[0].startswith("node 0 labels ['learner']") and lines[2].startswith("node 2 labels ['collector']")
+
+
+def test_plan_honours_platform_init_method_for_torchrpc():
+    plan = make_plan("tests.jobs.roles:ok", platform="slurm", environ=SLURM_STEP, mq_type="torchrpc:cpu",
+                     init_method="tcp://127.0.0.1:29999", check_network=False)
+    assert plan.options[0]["init_method"] == "tcp://127.0.0.1:29999"
+
+
+def start(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mq.cli.main", "run", *args], cwd=REPO,
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def finish(*procs: subprocess.Popen, timeout: float = 60) -> list[tuple[int, str, str]]:
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            out.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+    return out
+
+
+def two_hosts(main: str, env: dict | None = None) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """The DI-engine-style launch of two hosts by hand: the learner's host, then the collectors'
+    host dialling it; one role spec for both."""
+    from mq.launch import free_port
+
+    a, b = free_port(), free_port()
+    common = ["--main", main, "--world-size", "4", "--roles", "learner:1,collector:*", "--protocol", "tcp"]
+    learner = start([*common, "-n", "1", "--node-ids", "0", "--ports", str(a)], env)
+    collectors = start([*common, "-n", "3", "--node-ids", "1", "--ports", str(b),
+                        "--attach-to", f"tcp://127.0.0.1:{a}"], env)
+    return learner, collectors
+
+
+def test_two_launchers_with_one_role_spec():
+    import json
+
+    results = finish(*two_hosts("tests.jobs.cluster:learn"))
+    assert [code for code, _, _ in results] == [0, 0], results
+    nodes = {json.loads(line)["node"]: json.loads(line) for _, out, _ in results for line in out.splitlines()}
+    assert {n: info["labels"] for n, info in nodes.items()} == {0: ["learner"], 1: ["collector"],
+                                                                 2: ["collector"], 3: ["collector"]}
+    assert nodes[0]["result"] == [1, 2, 3]
+
+
+def test_failure_on_one_launcher_ends_the_other_within_seconds(tmp_path):
+    learner, collectors = two_hosts("tests.jobs.cluster:crash_last", {"MQ_TEST_PID_DIR": str(tmp_path)})
+    (lc, _, le), (cc, _, ce) = finish(learner, collectors)
+    assert cc == 1 and "node 3 exited with code 1" in ce, ce
+    assert lc == 1, le
+    assert re.search(r"mq run: job aborted: node 3 on \S+ failed \(RuntimeError: node 3 exploded on purpose\)", le), le
+    pids = read_pids(tmp_path)
+    assert len(pids) == 4 and wait_dead(pids) == []
+    assert not [f for p in pids for f in glob.glob(f"/tmp/mq-{p}-*.sock")]
+
+
+def _wait_for_pids(d, n: int, timeout: float = 40) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(list(d.iterdir())) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = read_pids(d)
+    assert len(pids) == n, "workers did not start"
+    return pids
+
+
+def test_sigterm_is_a_graceful_stop_that_leaves_no_socket(tmp_path):
+    proc = start(["--main", "tests.jobs.cluster:wait_forever", "-n", "2"], {"MQ_TEST_PID_DIR": str(tmp_path)})
+    pids = _wait_for_pids(tmp_path, 2)
+    deadline = time.monotonic() + 20
+    while len(glob.glob(f"/tmp/mq-{pids[0]}-*.sock")) + len(glob.glob(f"/tmp/mq-{pids[1]}-*.sock")) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # the launcher only, as kubelet does; scancel: tests/test_slurm.py
+    [(code, _, err)] = finish(proc, timeout=30)
+    assert code == 143, err
+    assert "mq run: stopped by SIGTERM" in err
+    assert time.monotonic() - t0 < 8
+    assert wait_dead(pids) == []
+    assert not [f for p in pids for f in glob.glob(f"/tmp/mq-{p}-*.sock")]
+
+
+def test_sigkilled_worker_stops_the_job_and_its_socket_is_removed(tmp_path):
+    proc = start(["--main", "tests.jobs.cluster:wait_forever", "-n", "3"], {"MQ_TEST_PID_DIR": str(tmp_path)})
+    _wait_for_pids(tmp_path, 3)
+    victim = int((tmp_path / "1.pid").read_text())
+    deadline = time.monotonic() + 20
+    while not glob.glob(f"/tmp/mq-{victim}-*.sock"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(victim, signal.SIGKILL)
+    [(code, _, err)] = finish(proc, timeout=30)
+    assert code == 1 and "node 1 exited with signal SIGKILL" in err, err
+    pids = read_pids(tmp_path)
+    assert wait_dead(pids) == []
+    assert not [f for p in pids for f in glob.glob(f"/tmp/mq-{p}-*.sock")]
+
+
+def test_failed_worker_exits_promptly_despite_a_stuck_handler(tmp_path):
+    t0 = time.monotonic()
+    r = mq_cli("run", "--main", "tests.jobs.cluster:stuck_handler", "-n", "2", env={"MQ_TEST_PID_DIR": str(tmp_path)})
+    took = time.monotonic() - t0
+    assert r.returncode == 1 and "failed while a handler is stuck" in r.stderr, r.stderr
+    assert took < 25, f"{took:.0f}s: the failed worker waited on its stuck handler thread"
+    assert wait_dead(read_pids(tmp_path)) == []
+
+
+@pytest.mark.parametrize("mq_type", ["nng", "torchrpc:cpu"])
+def test_k8s_torchrun_environment_meets_through_master(mq_type):
+    """Two "pods" with PyTorchJob's variables (MASTER_ADDR/PORT, WORLD_SIZE, RANK) on loopback."""
+    import json
+
+    from mq.launch import free_port
+
+    master = free_port()
+    pods = []
+    for rank, port in enumerate([free_port(), free_port()]):
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "WORLD_SIZE": "2", "RANK": str(rank),
+               "POD_IP": "127.0.0.1", "DI_NODES": ""}
+        pods.append(start(["--platform", "k8s", "--mq-type", mq_type, "--main", "tests.jobs.cluster:learn",
+                           "-n", "2", "--ports", str(port), "--roles", "learner:1,collector:*"], env))
+    results = finish(*pods, timeout=80)
+    assert [code for code, _, _ in results] == [0, 0], results
+    nodes = {json.loads(line)["node"]: json.loads(line) for _, out, _ in results
+             for line in out.splitlines() if line.startswith("{")}
+    assert sorted(nodes) == [0, 1, 2, 3]
+    assert nodes[0]["labels"] == ["learner"] and nodes[0]["result"] == [1, 2, 3]
+    assert all(nodes[n]["peers"] == [p for p in range(4) if p != n] for n in nodes)
+
+
+def test_launch_api_takes_a_role_spec(capfd):
+    mq.launch("tests.jobs.cluster:learn", n_workers=3, roles="learner:1,collector:*")
+    out = capfd.readouterr().out
+    assert '"node": 0, "labels": ["learner"]' in out and out.count('"labels": ["collector"]') == 2

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from mq.errors import ConfigError
 from mq.platforms import (
     PlatformPlan,
+    assign_roles,
     attach_lists,
     expand_hostlist,
     from_k8s,
@@ -18,6 +19,7 @@ from mq.platforms import (
     from_slurm,
     parse_tasks_per_node,
     plan_for,
+    resolve_hosts,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -62,21 +64,20 @@ def test_expand_hostlist_valid(text, expected):
 INVALID_HOSTLISTS = [
     ("", r"is empty"),
     ("   ", r"is empty"),
-    ("node[1-3", r"'\[' at position 4 is never closed"),
-    ("node1-3]", r"'\]' at position 7 has no matching '\['"),
-    ("n[1-[2]]", r"cannot nest"),
-    ("n[5-3]", r"range '5-3' .* is reversed"),
-    ("n[]", r"empty bracket"),
-    ("n[a-b]", r"'a-b' .* is not a number or a range"),
-    ("n[1-2-3]", r"'1-2-3' .* is not a number or a range"),
-    ("n[1,,2]", r"'' .* is not a number or a range"),
+    ("node[1-3", r"malformed: unbalanced brackets"),
+    ("node1-3]", r"malformed: unbalanced brackets"),
+    ("n[1-[2]]", r"malformed: nested brackets"),
+    ("n[5-3]", r"malformed: start > stop"),
+    ("n[]", r"malformed: bad range"),
+    ("n[a-b]", r"malformed: bad range"),
+    ("n[1-2-3]", r"malformed: bad range"),
+    ("n[1,,2]", r"empty entry"),
     ("a,,b", r"empty entry"),
     ("a,b,", r"empty entry"),
     ("node 1", r"contains whitespace"),
     ("n[ 1-2]", r"contains whitespace"),
-    ("n[1-1000000000]", r"too large"),
-    ("a[1-1000]b[1-1000]", r"too large"),
-    ("n[1234567890123456789012]", r"more than 18 digits"),
+    ("n[1-1000000000]", r"range too large"),
+    ("a[1-1000]b[1-1000]", r"results too large"),
 ]
 
 
@@ -160,19 +161,66 @@ def test_parse_tasks_per_node_invalid(text, n_hosts, match):
 # --------------------------------------------------------------------------------------------
 # Slurm
 
-# Recorded from an sbatch job on 3 nodes, --ntasks-per-node=2, as seen by the batch script on
-# the third node when each node runs one launcher (srun --ntasks-per-node=1 mq run ...).
+# Recorded under slurmd 22.05 (tests/test_slurm.py's cluster) from
+# `srun -N2 --ntasks-per-node=1 mq run -n 2 ...`, task 1, with the node list renamed to
+# three hosts: one launcher per host.
 SLURM_PER_NODE_ENV = {
     "SLURM_JOB_ID": "81234",
+    "SLURM_JOBID": "81234",
     "SLURM_JOB_NODELIST": "gpu[01-02],cpu007",
     "SLURM_NODELIST": "gpu[01-02],cpu007",
     "SLURM_JOB_NUM_NODES": "3",
     "SLURM_NNODES": "3",
-    "SLURM_NTASKS_PER_NODE": "2",
-    "SLURM_TASKS_PER_NODE": "2(x3)",
+    "SLURM_NTASKS": "3",
+    "SLURM_NTASKS_PER_NODE": "1",
+    "SLURM_TASKS_PER_NODE": "1(x3)",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEPID": "0",
+    "SLURM_STEP_NODELIST": "gpu[01-02],cpu007",
+    "SLURM_STEP_NUM_NODES": "3",
+    "SLURM_STEP_NUM_TASKS": "3",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x3)",
+    "SLURM_PROCID": "2",
+    "SLURM_LOCALID": "0",
     "SLURM_NODEID": "2",
     "SLURMD_NODENAME": "cpu007",
-    "SLURM_SUBMIT_DIR": "/home/rl/job",
+}
+
+# Recorded the same way from `srun -N2 -n4 mq run ...` (Slurm packed three tasks on the
+# first host), task 2: one worker per task.
+SLURM_PER_TASK_ENV = {
+    "SLURMD_NODENAME": "mqtn1",
+    "SLURM_JOBID": "4",
+    "SLURM_JOB_ID": "4",
+    "SLURM_JOB_NODELIST": "mqtn[1-2]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_LOCALID": "2",
+    "SLURM_NNODES": "2",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "mqtn[1-2]",
+    "SLURM_NPROCS": "4",
+    "SLURM_NTASKS": "4",
+    "SLURM_PROCID": "2",
+    "SLURM_STEPID": "0",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEP_NODELIST": "mqtn[1-2]",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_TASKS_PER_NODE": "3,1",
+    "SLURM_TASKS_PER_NODE": "3,1",
+}
+
+# Recorded in an `sbatch -N2` batch script: no step variables.
+SLURM_BATCH_ENV = {
+    "SLURM_JOB_ID": "3",
+    "SLURM_JOB_NODELIST": "mqtn[1-2]",
+    "SLURM_LOCALID": "0",
+    "SLURM_NNODES": "2",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "mqtn[1-2]",
+    "SLURM_PROCID": "0",
+    "SLURM_TASKS_PER_NODE": "1(x2)",
+    "SLURMD_NODENAME": "mqtn1",
 }
 
 
@@ -185,6 +233,7 @@ def _pairs(plan: PlatformPlan) -> list[frozenset[int]]:
 def test_slurm_one_launcher_per_node():
     plan = from_slurm(SLURM_PER_NODE_ENV, workers_per_node=2, base_port=50515)
     assert plan.platform == "slurm"
+    assert plan.source == "SLURM_STEP_NODELIST"
     assert plan.hosts == ["gpu01", "gpu02", "cpu007"]
     assert plan.host_index == 2
     assert plan.node_ids == [4, 5]
@@ -206,45 +255,54 @@ def test_slurm_one_launcher_per_node():
     }
 
 
-def test_slurm_host_index_from_nodename_only():
-    env = {k: v for k, v in SLURM_PER_NODE_ENV.items() if k != "SLURM_NODEID"}
-    env["SLURMD_NODENAME"] = "gpu02"
-    plan = from_slurm(env, workers_per_node=3)
-    assert plan.host_index == 1
-    assert plan.node_ids == [3, 4, 5]
-    assert plan.world_size == 9
+def test_slurm_one_worker_per_task_from_recorded_step():
+    plan = from_slurm(SLURM_PER_TASK_ENV, workers_per_node=None)
+    assert plan.hosts == ["mqtn1", "mqtn2"]
+    assert plan.node_ids == [2] and plan.world_size == 4 and plan.host_index == 0
+    assert plan.addresses == {0: "mqtn1", 1: "mqtn1", 2: "mqtn1", 3: "mqtn2"}
+    assert plan.listen_to[2] == "tcp://mqtn1:50517"
+    assert plan.listen_to[3] == "tcp://mqtn2:50515"
 
 
-def test_slurm_nodename_with_domain_matches_short_name():
-    env = {k: v for k, v in SLURM_PER_NODE_ENV.items() if k != "SLURM_NODEID"}
-    env["SLURMD_NODENAME"] = "gpu02.cluster.example"
-    assert from_slurm(env, workers_per_node=1).node_ids == [1]
+def test_slurm_per_host_rejects_several_tasks_on_a_host():
+    # `srun -N2 -n4 mq run -n 2`: every task gets the same error, so none starts and waits.
+    for procid, localid in [(0, 0), (2, 2)]:
+        env = dict(SLURM_PER_TASK_ENV, SLURM_PROCID=str(procid), SLURM_LOCALID=str(localid))
+        with pytest.raises(ConfigError, match=r"srun started 3 tasks on mqtn1 but -n/--parallel-workers 2 "
+                           r"runs one launcher per host: use srun --ntasks-per-node=1 -n 2 .*, or drop -n"):
+            from_slurm(env, workers_per_node=2)
 
 
-def test_slurm_nodeid_and_nodename_disagree():
-    env = dict(SLURM_PER_NODE_ENV, SLURM_NODEID="0")
-    with pytest.raises(ConfigError, match=r"SLURM_NODEID=0 says this is gpu01 but SLURMD_NODENAME='cpu007'"):
-        from_slurm(env, workers_per_node=2)
+def test_slurm_batch_script_without_srun_on_two_hosts_is_explained():
+    with pytest.raises(ConfigError, match=r"outside a job step .* allocation of 2 hosts \(mqtn1, mqtn2\).*srun"):
+        from_slurm(SLURM_BATCH_ENV, workers_per_node=None)
+    with pytest.raises(ConfigError, match=r"outside a job step"):
+        from_slurm(SLURM_BATCH_ENV, workers_per_node=2)
 
 
-def test_slurm_nodename_not_in_list():
-    env = {k: v for k, v in SLURM_PER_NODE_ENV.items() if k != "SLURM_NODEID"}
-    env["SLURMD_NODENAME"] = "other9"
+def test_slurm_batch_script_on_one_host_runs_there():
+    env = dict(SLURM_BATCH_ENV, SLURM_JOB_NODELIST="mqtn1", SLURM_NODELIST="mqtn1", SLURM_TASKS_PER_NODE="3")
+    plan = from_slurm(env, workers_per_node=None)
+    assert plan.node_ids == [0, 1, 2] and plan.world_size == 3  # the allocation's tasks
+    assert from_slurm(env, workers_per_node=2).node_ids == [0, 1]
+
+
+def test_slurm_salloc_shell_on_the_submit_host_is_explained():
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "mqtn1", "SLURM_TASKS_PER_NODE": "1"}
+    with pytest.raises(ConfigError, match=r"outside the allocation's host mqtn1.*start it with srun"):
+        from_slurm(env, workers_per_node=None)
+
+
+def test_slurm_outside_any_job_is_explained():
+    with pytest.raises(ConfigError, match=r"not inside a Slurm job \(SLURM_JOB_ID is not set\).*srun.*--platform local"):
+        from_slurm({"HOME": "/root", "SLURM_NODEID": "0"}, workers_per_node=None)
+
+
+def test_slurm_nodename_disagrees_outside_a_step():
+    env = dict(SLURM_BATCH_ENV, SLURM_JOB_NODELIST="gpu01", SLURM_NODELIST="gpu01", SLURMD_NODENAME="other9")
+    del env["SLURM_NODEID"]
     with pytest.raises(ConfigError, match=r"SLURMD_NODENAME='other9' is not in the node list"):
-        from_slurm(env, workers_per_node=2)
-
-
-def test_slurm_nodeid_out_of_range():
-    env = dict(SLURM_PER_NODE_ENV, SLURM_NODEID="3")
-    del env["SLURMD_NODENAME"]
-    with pytest.raises(ConfigError, match=r"SLURM_NODEID=3 is outside the node list of 3 hosts"):
-        from_slurm(env, workers_per_node=2)
-
-
-def test_slurm_per_node_rejects_second_launcher_on_host():
-    env = dict(SLURM_PER_NODE_ENV, SLURM_LOCALID="1", SLURM_PROCID="5")
-    with pytest.raises(ConfigError, match=r"SLURM_LOCALID=1: several launchers run on cpu007"):
-        from_slurm(env, workers_per_node=2)
+        from_slurm(env, workers_per_node=1)
 
 
 # Recorded from `srun --ntasks=5 --distribution=block mq run ...` on an uneven allocation:
@@ -315,6 +373,8 @@ def test_slurm_step_nodelist_wins_over_job_nodelist():
 
 def test_slurm_srun_uses_ntasks_per_node_when_it_is_the_only_count():
     env = {
+        "SLURM_JOB_ID": "9",
+        "SLURM_STEP_ID": "0",
         "SLURM_NODELIST": "n[008-010]",
         "SLURM_NTASKS_PER_NODE": "2",
         "SLURM_PROCID": "5",
@@ -346,32 +406,22 @@ def test_slurm_srun_procid_out_of_range():
         from_slurm(env, workers_per_node=None)
 
 
-def test_slurm_missing_everything_lists_each_variable():
+def test_slurm_missing_step_variables_are_listed():
     with pytest.raises(ConfigError) as info:
-        from_slurm({"HOME": "/root"}, workers_per_node=None)
+        from_slurm({"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0"}, workers_per_node=None)
     msg = str(info.value)
-    for name in ("SLURM_JOB_NODELIST", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE"):
+    for name in ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"):
         assert name in msg
-    assert "salloc" in msg and "sbatch" in msg and "--platform local" in msg
-
-
-def test_slurm_missing_node_index_in_per_node_mode():
-    env = {"SLURM_JOB_NODELIST": "gpu[01-02]"}
-    with pytest.raises(ConfigError, match=r"not set: SLURM_NODEID \(or SLURMD_NODENAME\);.*--platform local"):
-        from_slurm(env, workers_per_node=2)
-
-
-def test_slurm_missing_nodelist_only():
-    env = {"SLURM_NODEID": "0"}
-    with pytest.raises(ConfigError, match=r"not set: SLURM_JOB_NODELIST \(or SLURM_NODELIST\);"):
-        from_slurm(env, workers_per_node=1)
+    assert "srun" in msg and "--platform local" in msg
 
 
 def test_slurm_bad_values():
-    with pytest.raises(ConfigError, match=r"SLURM_JOB_NODELIST: hostlist 'gpu\[02-01\]'.*reversed"):
-        from_slurm({"SLURM_JOB_NODELIST": "gpu[02-01]", "SLURM_NODEID": "0"}, workers_per_node=1)
-    with pytest.raises(ConfigError, match=r"SLURM_NODEID='x' is not a non-negative integer"):
-        from_slurm({"SLURM_JOB_NODELIST": "gpu01", "SLURM_NODEID": "x"}, workers_per_node=1)
+    step = {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "1",
+            "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    with pytest.raises(ConfigError, match=r"SLURM_STEP_NODELIST: hostlist 'gpu\[02-01\]' is malformed"):
+        from_slurm(dict(step, SLURM_STEP_NODELIST="gpu[02-01]"), workers_per_node=1)
+    with pytest.raises(ConfigError, match=r"SLURM_PROCID='x' is not a non-negative integer"):
+        from_slurm(dict(step, SLURM_STEP_NODELIST="gpu01", SLURM_PROCID="x"), workers_per_node=1)
     with pytest.raises(ConfigError, match=r"SLURM_STEP_TASKS_PER_NODE='2\(x2\)' gives task counts for 2 hosts"):
         from_slurm(dict(SLURM_SRUN_ENV, SLURM_STEP_TASKS_PER_NODE="2(x2)"), workers_per_node=None)
     with pytest.raises(ConfigError, match=r"workers_per_node must be a positive integer"):
@@ -427,8 +477,8 @@ def test_k8s_rank_from_hostname():
 @pytest.mark.parametrize(
     ("env", "match"),
     [
-        ({}, r"not set: DI_NODES, DI_RANK;.*--platform local"),
-        ({"DI_RANK": "0"}, r"not set: DI_NODES;"),
+        ({}, r"not set: DI_NODES \(or MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK\), DI_RANK;.*--platform local"),
+        ({"DI_RANK": "0"}, r"not set: DI_NODES \(or MASTER_ADDR"),
         ({"DI_NODES": "a,b"}, r"not set: DI_RANK;"),
         ({"DI_NODES": "a,b", "DI_RANK": "2"}, r"DI_RANK=2 is outside DI_NODES, which lists 2 pods"),
         ({"DI_NODES": "a,b", "DI_RANK": "-1"}, r"DI_RANK='-1' is not a non-negative integer"),
@@ -443,6 +493,127 @@ def test_k8s_rank_from_hostname():
 def test_k8s_errors(env, match):
     with pytest.raises(ConfigError, match=match):
         from_k8s(env, workers_per_node=None)
+
+
+def test_k8s_indexed_job_rank_from_completion_index():
+    env = {"DI_NODES": "train-[0-2].train-svc", "JOB_COMPLETION_INDEX": "1", "HOSTNAME": "train-1"}
+    plan = from_k8s(env)
+    assert plan.node_ids == [1] and plan.listen_to[1] == "tcp://train-1.train-svc:50515"
+
+
+# Recorded in a Kubeflow PyTorchJob worker pod (training-operator v1, 1 master + 2 workers),
+# with POD_IP added through the downward API.
+PYTORCHJOB_WORKER_ENV = {
+    "MASTER_ADDR": "dqn-master-0",
+    "MASTER_PORT": "23456",
+    "WORLD_SIZE": "3",
+    "RANK": "2",
+    "PYTHONUNBUFFERED": "1",
+    "HOSTNAME": "dqn-worker-1",
+    "POD_IP": "10.244.1.17",
+    "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+}
+
+# Recorded in pod 3 of an Indexed Job (completions 4, subdomain "train") whose pod template
+# sets MASTER_ADDR=train-0.train, MASTER_PORT and WORLD_SIZE: the rank is the completion index.
+INDEXED_JOB_ENV = {
+    "JOB_COMPLETION_INDEX": "3",
+    "HOSTNAME": "train-3",
+    "MASTER_ADDR": "train-0.train",
+    "MASTER_PORT": "29500",
+    "WORLD_SIZE": "4",
+    "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+}
+
+
+def test_k8s_pytorchjob_meets_at_master():
+    plan = from_k8s(PYTORCHJOB_WORKER_ENV)
+    assert plan.discovery == "rendezvous"
+    assert plan.node_ids == [2] and plan.world_size == 3
+    assert plan.init_method == "tcp://dqn-master-0:23456"
+    assert plan.listen_to == {2: "tcp://10.244.1.17:50515"}
+    assert plan.options_for(2)["attach_to"] == []
+
+
+def test_k8s_pytorchjob_with_several_workers_per_pod():
+    plan = from_k8s(PYTORCHJOB_WORKER_ENV, workers_per_node=2, base_port=7000)
+    assert plan.node_ids == [4, 5] and plan.world_size == 6
+    assert plan.listen_to == {4: "tcp://10.244.1.17:7000", 5: "tcp://10.244.1.17:7001"}
+
+
+def test_k8s_torchrun_local_rank_offsets_the_port():
+    env = dict(PYTORCHJOB_WORKER_ENV, RANK="5", WORLD_SIZE="8", LOCAL_RANK="1")
+    plan = from_k8s(env)
+    assert plan.node_ids == [5] and plan.listen_to[5] == "tcp://10.244.1.17:50516"
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=1: several processes per pod .* drop -n"):
+        from_k8s(env, workers_per_node=2)
+
+
+def test_k8s_indexed_job_with_master_addr():
+    plan = from_k8s(INDEXED_JOB_ENV)
+    assert plan.node_ids == [3] and plan.world_size == 4
+    assert plan.init_method == "tcp://train-0.train:29500"
+    assert plan.listen_to == {3: "tcp://train-3:50515"}  # the launcher swaps in the pod IP
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"MASTER_ADDR": "m"}, r"not set: MASTER_PORT, WORLD_SIZE, RANK \(or JOB_COMPLETION_INDEX\);"),
+        (dict(PYTORCHJOB_WORKER_ENV, RANK="3"), r"RANK=3 is outside WORLD_SIZE=3"),
+        (dict(PYTORCHJOB_WORKER_ENV, MASTER_PORT="x"), r"MASTER_PORT='x' is not a non-negative integer"),
+        (dict(PYTORCHJOB_WORKER_ENV, MASTER_PORT="70000"), r"MASTER_PORT 70000 is not a TCP port"),
+    ],
+)
+def test_k8s_torchrun_errors(env, match):
+    with pytest.raises(ConfigError, match=match):
+        from_k8s(env)
+
+
+# --------------------------------------------------------------------------------------------
+# Roles by rank
+
+
+@pytest.mark.parametrize(
+    ("spec", "n", "expected"),
+    [
+        ("learner:1,collector:*", 4, {0: ["learner"], 1: ["collector"], 2: ["collector"], 3: ["collector"]}),
+        ("collector:*,learner:1", 3, {0: ["collector"], 1: ["collector"], 2: ["learner"]}),
+        ("learner:1,evaluator:1,collector:*", 3, {0: ["learner"], 1: ["evaluator"], 2: ["collector"]}),
+        (" learner : 2 , collector:2", 4, {0: ["learner"], 1: ["learner"], 2: ["collector"], 3: ["collector"]}),
+        ("learner+evaluator:1,collector:*", 2, {0: ["evaluator", "learner"], 1: ["collector"]}),
+        ("learner:1,collector:*", 1, {0: ["learner"]}),
+    ],
+)
+def test_assign_roles(spec, n, expected):
+    assert assign_roles(spec, range(n)) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("", r"is empty"),
+        ("learner", r"'learner' is not role:count"),
+        ("learner:one", r"the count of 'learner' is 'one'; expected a positive integer or '\*'"),
+        ("learner:0,collector:*", r"the count of 'learner' is '0'"),
+        ("learner:1,collector:*,actor:*", r"only one role may take the rest"),
+        ("learner:1,learner:1,collector:*", r"role 'learner' is given twice"),
+        ("learner:5,collector:*", r"name 5 nodes but the job has 4; fix the counts$"),
+        ("learner:1,collector:2", r"name 3 nodes but the job has 4; fix the counts or give one role the rest"),
+        ("learner:1,,collector:*", r"'' is not role:count"),
+        ("le arner:1", r"'le arner:1' is not role:count"),
+    ],
+)
+def test_assign_roles_errors(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        assign_roles(spec, range(4))
+
+
+def test_resolve_hosts_names_the_unresolvable_host_and_its_source():
+    assert resolve_hosts(["localhost", "127.0.0.1"]) == {"localhost": "127.0.0.1", "127.0.0.1": "127.0.0.1"}
+    with pytest.raises(ConfigError, match=r"host name 'no-such-host\.invalid' \(from SLURM_STEP_NODELIST\) "
+                       r"does not resolve .*; add it to DNS or /etc/hosts"):
+        resolve_hosts(["localhost", "no-such-host.invalid"], "SLURM_STEP_NODELIST")
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,6 +649,7 @@ def test_local_errors():
 def test_plan_for_dispatch():
     assert plan_for("local", workers_per_node=2).world_size == 2
     assert plan_for("slurm", environ=SLURM_SRUN_ENV).node_ids == [3]
+    assert plan_for("slurm", environ=SLURM_PER_NODE_ENV, workers_per_node=2).node_ids == [4, 5]
     assert plan_for("k8s", environ={"DI_NODES": "a,b", "DI_RANK": "1"}).node_ids == [1]
     with pytest.raises(ConfigError, match=r"unknown platform 'yarn'"):
         plan_for("yarn")

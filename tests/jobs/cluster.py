@@ -1,0 +1,101 @@
+"""Worker mains for jobs that span hosts (tests/test_slurm.py, tests/test_launch.py).
+
+Unlike ``roles.ok`` they wait for the whole job (``ctx.world_size``), not only this host's
+workers, and print one JSON line per node that the tests parse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import mq
+
+
+def learn(ctx: mq.Context) -> None:
+    """The learner serves ``square`` to every collector; each collector checks its answer.
+
+    The learner tells the collectors ``done`` only after serving all of them, so no node
+    leaves (and says goodbye) while another still needs it.
+    """
+    q = ctx.mq
+    served: list[int] = []
+    if "learner" in ctx.labels:
+        q.on("square", lambda x: (served.append(x), x * x)[1])
+    q.subscribe("done")
+    q.wait_for_peers(ctx.world_size - 1, timeout=60)
+    met = _met(ctx)  # before anyone leaves
+    learners = q.peers(label="learner")
+    result = None
+    if "learner" in ctx.labels:
+        collectors = q.peers(label="collector")
+        deadline = time.monotonic() + 60
+        while len(served) < len(collectors) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for peer in collectors:
+            q.send(peer, "done", "bye", timeout=10)
+        result = sorted(served)
+    else:
+        result = q.call(learners[0], "square", ctx.node_id, timeout=30)
+        assert result == ctx.node_id ** 2, result
+        assert q.recv(timeout=60).topic == "done"
+    _say(ctx, met, result=result, learners=learners)
+
+
+def crash_last(ctx: mq.Context) -> None:
+    """The last node raises once every node has joined; the others would sleep a minute."""
+    _record_pid(ctx)
+    ctx.mq.wait_for_peers(ctx.world_size - 1, timeout=60)
+    _say(ctx, _met(ctx))
+    if ctx.node_id == ctx.world_size - 1:
+        time.sleep(0.5)
+        raise RuntimeError(f"node {ctx.node_id} exploded on purpose")
+    time.sleep(60)
+
+
+def stuck_handler(ctx: mq.Context) -> None:
+    """Node 0 serves a call that never returns, then raises: its process must still exit."""
+    q = ctx.mq
+    q.on("hang", lambda x: time.sleep(120))
+    _record_pid(ctx)
+    q.wait_for_peers(ctx.world_size - 1, timeout=60)
+    if ctx.node_id == 1:
+        try:
+            q.call(0, "hang", None, timeout=60)
+        except mq.MQError:
+            pass
+        time.sleep(60)
+    else:
+        time.sleep(1.0)  # node 1's call is now stuck in our handler thread
+        raise RuntimeError("failed while a handler is stuck")
+
+
+def wait_forever(ctx: mq.Context) -> None:
+    """Join the whole job, say so, and sleep until stopped (SIGTERM / scancel tests)."""
+    _record_pid(ctx)
+    ctx.mq.wait_for_peers(ctx.world_size - 1, timeout=60)
+    _say(ctx, _met(ctx))
+    time.sleep(600)
+
+
+def _met(ctx: mq.Context) -> dict[str, object]:
+    q = ctx.mq
+    return {"peers": q.peers(), "routes": sorted({r.kind for r in q.routes().values()})}
+
+
+def _say(ctx: mq.Context, met: dict[str, object], **extra: object) -> None:
+    line = json.dumps({
+        "node": ctx.node_id, "labels": sorted(ctx.labels), "world": ctx.world_size,
+        "host": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(), "launcher": os.getppid(), **met, **extra,
+    })
+    # One write per line: a host's workers share the launcher's stdout, and print() writes the
+    # newline separately when Python runs unbuffered.
+    os.write(1, (line + "\n").encode())
+
+
+def _record_pid(ctx: mq.Context) -> None:
+    out = ctx.args.get("pid_dir") or os.environ.get("MQ_TEST_PID_DIR")
+    if out:
+        with open(os.path.join(out, f"{ctx.node_id}.pid"), "w") as f:
+            f.write(str(os.getpid()))
