@@ -86,7 +86,7 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
 
     \b
     Example (3 nodes on this machine):
-      mq run --main mq.demo:main -n 3 --roles 'learner:1,collector:*'
+      mq run --main mq.tools.demo:main -n 3 --roles 'learner:1,collector:*'
     \b
     On Slurm (one worker per task, or one launcher per host with -n):
       srun -N2 -n4 mq run --platform slurm --main mypkg:main --roles 'learner:1,collector:*'
