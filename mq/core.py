@@ -215,6 +215,7 @@ class MQ:
         self._state = "listening"
         self._dispatcher.start()
         try:
+            _preload_torch()
             self._open_pool()
             self._targets = list(self.transport.start(self))
             for target in self._targets:
@@ -1253,6 +1254,21 @@ class MQ:
     def __repr__(self) -> str:
         return (f"<MQ {self.mq_type} node={self.node_id} labels={sorted(self.labels)} "
                 f"{self._state} peers={self.peers()}>")
+
+
+def _preload_torch() -> None:
+    """Import torch now, if it is installed, rather than at the first tensor a peer sends.
+
+    Importing it holds the GIL for a second or more (several on a loaded machine); mid-job
+    that silences our heartbeats long enough for peers to think we died.
+    """
+    import importlib.util
+    import sys
+
+    if "torch" not in sys.modules and importlib.util.find_spec("torch") is not None:
+        from mq.codec import _load_torch
+
+        _load_torch()
 
 
 def _seconds(value: Any, name: str) -> float:
