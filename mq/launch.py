@@ -449,6 +449,16 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _pass_job_secret(plan: Plan) -> None:
+    """Resolve the job secret once (MQ_SECRET, else the per-user file) and give it to every
+    worker through MQ_SECRET: they prove the same secret and never race to create the file."""
+    from mq import auth
+
+    if os.environ.get(auth.ENV_VAR) or any("secret" in o or o.get("insecure") for o in plan.options.values()):
+        return
+    os.environ[auth.ENV_VAR] = auth.resolve_secret().key.decode()
+
+
 def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
     """Start the plan's workers and supervise them; ``deadline_s`` bounds the whole job."""
     from mq import forksafe, locality
@@ -456,6 +466,7 @@ def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
     # Set before any worker (and any verbs library in it) starts: spawn copies the environment.
     os.environ.update({k: v for k, v in forksafe.fork_safe_env(os.environ, locality.local()).items()
                        if k in forksafe.FORK_SAFE_ENV})
+    _pass_job_secret(plan)
     ctx = mp.get_context("spawn")
     reports = ctx.SimpleQueue()  # worker -> launcher: the abort that stopped it
     announce = ctx.Array("c", 4096)  # launcher -> workers: a failure they must tell the job about

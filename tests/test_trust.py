@@ -300,3 +300,14 @@ def test_bad_tls_options_are_config_errors(tmp_path):
         mq.create("nng", 0, tls={"cert": "x"})
     with pytest.raises(mq.ConfigError, match="cannot be read"):
         mq.create("nng", 0, tls={"cert": str(tmp_path / "no"), "key": "k", "ca": "c"})
+
+
+def test_mq_run_hands_the_job_secret_to_its_workers(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MQ_SECRET"}
+    env["MQ_SECRET_FILE"] = str(tmp_path / "secret")  # not there yet: the launcher makes it once
+    r = subprocess.run([sys.executable, "-m", "mq.cli.main", "run", "--main", "tests.jobs.trust_job:secret_source",
+                        "-n", "3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = sorted(line for line in r.stdout.splitlines() if line.startswith("node "))
+    assert lines == [f"node {n} secret from env peers {[p for p in range(3) if p != n]}" for n in range(3)]
+    assert stat.S_IMODE(os.stat(tmp_path / "secret").st_mode) == 0o600
