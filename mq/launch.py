@@ -667,7 +667,8 @@ def _wake_main_on_signals(state: _WorkerState, main_ident: int | None) -> None:
     signal that lands on another thread (numpy's, nng's, torch's: gVisor, for one, picks any
     thread) would leave ``main`` asleep in a blocking call. The C-level handler still writes
     the signal number to the wakeup fd, so a watcher thread pokes the main thread with a
-    no-op SIGURG, whose EINTR makes it run the pending handler at once.
+    no-op SIGURG, whose EINTR makes it run the pending handler at once. The watcher also
+    bounds the stop: GRACE_S after the first stop signal the process kills itself.
     """
     r, w = os.pipe()
     os.set_blocking(w, False)
@@ -676,9 +677,17 @@ def _wake_main_on_signals(state: _WorkerState, main_ident: int | None) -> None:
     wanted = {int(s) for s in _JOB_SIGNALS}
 
     def watch() -> None:
+        armed = False
         while True:
             data = os.read(r, 64)
-            if not state.stopping and wanted.intersection(data) and main_ident is not None:
+            if not wanted.intersection(data):
+                continue
+            if not armed:  # however stuck main is, a stop signal ends the process in GRACE_S
+                armed = True
+                timer = threading.Timer(GRACE_S, os.kill, (os.getpid(), signal.SIGKILL))
+                timer.daemon = True
+                timer.start()
+            if not state.stopping and main_ident is not None:
                 signal.pthread_kill(main_ident, signal.SIGURG)
 
     threading.Thread(target=watch, daemon=True, name="mq-signals").start()
@@ -735,10 +744,13 @@ def _tell_peers(q: Any, info: Mapping[str, Any], skip: set[Any]) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when the launcher dies, so no orphan survives it."""
+    """Linux: the kernel stops this worker when the launcher dies, so no orphan survives it.
+
+    SIGTERM, not SIGKILL: the worker then says goodbye and removes its socket file even when
+    the launcher was SIGKILLed; a worker that cannot stop kills itself after GRACE_S."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if os.getppid() == 1:  # the launcher died before prctl took effect
             os._exit(1)
     except OSError:

@@ -113,9 +113,14 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
         while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         pids = read_pids(tmp_path)
-        proc.kill()  # SIGKILL: the launcher cannot clean up, the kernel must
+        deadline = time.monotonic() + 20
+        while len([f for p in pids for f in glob.glob(f"/tmp/mq-{p}-*.sock")]) < 2:
+            assert time.monotonic() < deadline, "workers did not listen"
+            time.sleep(0.05)
+        proc.kill()  # SIGKILL: the launcher cannot clean up; the kernel tells its workers (SIGTERM)
         proc.wait(5)
         assert wait_dead(pids) == [], "workers outlived their launcher"
+        assert not [f for p in pids for f in glob.glob(f"/tmp/mq-{p}-*.sock")], "a worker left its socket"
     finally:
         for p in pids:
             if alive(p):

@@ -67,6 +67,26 @@ def _ensure_slurm() -> str | None:
     return f"still missing after apt-get: {', '.join(missing)}" if missing else None
 
 
+def _free_base_port() -> int:
+    """A base port whose run base-1 .. base+4 is free on every address, below the ephemeral
+    range (where the kernel hands out other processes' ports) and away from other runs."""
+    for _ in range(200):
+        base = 10000 + secrets.randbelow(20000)
+        socks = []
+        try:
+            for port in range(base - 1, base + 5):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free run of ports for the mq workers")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,7 +106,6 @@ class Cluster:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
         self.env.update(SLURM_CONF=str(self.conf), PATH=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin",
                         PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-        self.base_port = 20000 + secrets.randbelow(20000)  # mq's ports, away from other runs
 
     # ---- lifecycle
     def start(self) -> None:
@@ -206,7 +225,10 @@ def _kill(pid: int, grace: float = 5.0) -> None:
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.1)
     if _alive(pid):
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _alive(pid: int) -> bool:
@@ -263,7 +285,7 @@ def check_learner_and_collectors(stdout: str, hosts: dict[int, str]) -> None:
 
 
 def run_args(c: Cluster, mq_type: str, main: str, *extra: str) -> list[str]:
-    return [*MQ, "--mq-type", mq_type, "--ports", str(c.base_port), "--main", main, *extra]
+    return [*MQ, "--mq-type", mq_type, "--ports", str(_free_base_port()), "--main", main, *extra]
 
 
 def sockets_of(pids) -> list[str]:
