@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import errno
-import glob
 import importlib
 import json
 import logging
@@ -30,7 +29,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -488,8 +486,6 @@ def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
         except KeyboardInterrupt:
             _stop_all(procs)
             raise
-        finally:
-            _remove_sockets(procs)
     if failures:
         raise LaunchError(failures, aborted_by=aborted_by)
     if aborted_by:
@@ -556,18 +552,6 @@ def _stop_all(procs: dict[int, Any]) -> None:
         if p.exitcode is None:
             p.kill()
             p.join(1.0)
-
-
-def _remove_sockets(procs: dict[int, Any]) -> None:
-    """A worker that was SIGKILLed could not close its unix socket: remove the file for it."""
-    for p in procs.values():
-        if p.pid is None or p.exitcode is None:
-            continue
-        for path in glob.glob(os.path.join(tempfile.gettempdir(), f"mq-{p.pid}-*.sock")):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
 
 
 # ---------------------------------------------------------------------- the worker process

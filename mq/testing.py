@@ -43,6 +43,14 @@ def run_group(mq_type: str, scenario: str, *, n: int = 2, protocol: str = "auto"
         return results
 
 
+def unix_sockets(pids: Any) -> list[str]:
+    """The unix sockets mq nodes of ``pids`` listen on (abstract ``@mq-<pid>-...`` names, or
+    files ``/tmp/mq-<pid>-...``), read from /proc/net/unix: what a leak check looks for."""
+    prefixes = tuple(p for pid in pids for p in (f"@mq-{pid}-", f"/tmp/mq-{pid}-"))
+    with open("/proc/net/unix") as f:
+        return sorted({line.split()[-1] for line in f if line.split()[-1].startswith(prefixes)})
+
+
 def wait_until(cond: Any, timeout: float = 10.0) -> bool:
     """Poll ``cond()`` until it is true or ``timeout`` seconds pass (never a bare sleep)."""
     deadline = time.monotonic() + timeout

@@ -10,7 +10,6 @@ import importlib.util
 
 import pytest
 
-from mq import testing
 from mq.testing import ORDERED_N, run_group
 
 pytestmark = pytest.mark.timeout(120)

@@ -3,7 +3,6 @@ them all within seconds, and no process is left behind."""
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import signal
@@ -14,6 +13,7 @@ import time
 import pytest
 
 import mq
+from mq.testing import unix_sockets
 from mq.launch import make_plan, parse_labels
 
 pytestmark = pytest.mark.timeout(90)
@@ -114,13 +114,13 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
             time.sleep(0.1)
         pids = read_pids(tmp_path)
         deadline = time.monotonic() + 20
-        while len([f for p in pids for f in glob.glob(f"/tmp/mq-{p}-*.sock")]) < 2:
+        while len(unix_sockets(pids)) < 2:
             assert time.monotonic() < deadline, "workers did not listen"
             time.sleep(0.05)
         proc.kill()  # SIGKILL: the launcher cannot clean up; the kernel tells its workers (SIGTERM)
         proc.wait(5)
         assert wait_dead(pids) == [], "workers outlived their launcher"
-        assert not [f for p in pids for f in glob.glob(f"/tmp/mq-{p}-*.sock")], "a worker left its socket"
+        assert not unix_sockets(pids), "a worker left its socket"
     finally:
         for p in pids:
             if alive(p):
@@ -323,7 +323,7 @@ def test_failure_on_one_launcher_ends_the_other_within_seconds(tmp_path):
     assert re.search(r"mq run: job aborted: node 3 on \S+ failed \(RuntimeError: node 3 exploded on purpose\)", le), le
     pids = read_pids(tmp_path)
     assert len(pids) == 4 and wait_dead(pids) == []
-    assert not [f for p in pids for f in glob.glob(f"/tmp/mq-{p}-*.sock")]
+    assert not unix_sockets(pids)
 
 
 def _wait_for_pids(d, n: int, timeout: float = 40) -> list[int]:
@@ -339,7 +339,7 @@ def test_sigterm_is_a_graceful_stop_that_leaves_no_socket(tmp_path):
     proc = start(["--main", "tests.jobs.cluster:wait_forever", "-n", "2"], {"MQ_TEST_PID_DIR": str(tmp_path)})
     pids = _wait_for_pids(tmp_path, 2)
     deadline = time.monotonic() + 20
-    while len(glob.glob(f"/tmp/mq-{pids[0]}-*.sock")) + len(glob.glob(f"/tmp/mq-{pids[1]}-*.sock")) < 2:
+    while len(unix_sockets(pids[:2])) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     t0 = time.monotonic()
@@ -349,7 +349,7 @@ def test_sigterm_is_a_graceful_stop_that_leaves_no_socket(tmp_path):
     assert "mq run: stopped by SIGTERM" in err
     assert time.monotonic() - t0 < 8
     assert wait_dead(pids) == []
-    assert not [f for p in pids for f in glob.glob(f"/tmp/mq-{p}-*.sock")]
+    assert not unix_sockets(pids)
 
 
 def test_sigkilled_worker_stops_the_job_and_its_socket_is_removed(tmp_path):
@@ -357,7 +357,7 @@ def test_sigkilled_worker_stops_the_job_and_its_socket_is_removed(tmp_path):
     _wait_for_pids(tmp_path, 3)
     victim = int((tmp_path / "1.pid").read_text())
     deadline = time.monotonic() + 20
-    while not glob.glob(f"/tmp/mq-{victim}-*.sock"):
+    while not unix_sockets([victim]):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     os.kill(victim, signal.SIGKILL)
@@ -365,7 +365,7 @@ def test_sigkilled_worker_stops_the_job_and_its_socket_is_removed(tmp_path):
     assert code == 1 and "node 1 exited with signal SIGKILL" in err, err
     pids = read_pids(tmp_path)
     assert wait_dead(pids) == []
-    assert not [f for p in pids for f in glob.glob(f"/tmp/mq-{p}-*.sock")]
+    assert not unix_sockets(pids)
 
 
 def test_failed_worker_exits_promptly_despite_a_stuck_handler(tmp_path):

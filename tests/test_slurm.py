@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from mq.testing import unix_sockets
+
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -289,7 +291,7 @@ def run_args(c: Cluster, mq_type: str, main: str, *extra: str) -> list[str]:
 
 
 def sockets_of(pids) -> list[str]:
-    return [p for pid in pids for p in map(str, Path("/tmp").glob(f"mq-{pid}-*.sock"))]
+    return unix_sockets(pids)
 
 
 class Streamed:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import select
-import tempfile
 import threading
 import time
 import uuid
@@ -43,7 +42,7 @@ log = logging.getLogger("mq.nng")
 SUPPORTED_ROUTES = ("inproc", "ipc", "tcp")
 # After a recv() caller leaves, the I/O thread waits this long before reading for itself.
 _CALLER_GRACE_S = 0.002
-_SCHEMES = ("tcp://", "tls+tcp://", "ipc://", "inproc://")
+_SCHEMES = ("tcp://", "tls+tcp://", "ipc://", "abstract://", "inproc://")
 
 
 def check_address(address: str, what: str = "address") -> str:
@@ -55,7 +54,7 @@ def check_address(address: str, what: str = "address") -> str:
         host, sep, port = address.partition("://")[2].rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ConfigError(f"{what} {address!r} needs a host and a port 0-65535, e.g. tcp://127.0.0.1:50515")
-    elif address.rstrip("/").endswith(("ipc:", "inproc:")) or address.endswith("://"):
+    elif address.rstrip("/").endswith(("ipc:", "abstract:", "inproc:")) or address.endswith("://"):
         raise ConfigError(f"{what} {address!r} needs a path or name after the scheme")
     return address
 
@@ -130,7 +129,6 @@ class NngTransport(Transport):
         self._last_caller_exit = 0.0
         self._recv_timeout_ms = -1
         self._wake_r = self._wake_w = -1  # a pipe that wakes the I/O thread on close()
-        self._ipc_path: str | None = None
         self._net_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
@@ -150,8 +148,8 @@ class NngTransport(Transport):
             raise ConfigError(f"cannot listen on {self.listen_to!r}: {exc}") from None
         self.addresses["tcp"] = self._advertised_tcp(listener)
         token = f"{os.getpid()}-{self.node_id}-{self.incarnation[:8]}"
-        self._ipc_path = os.path.join(tempfile.gettempdir(), f"mq-{token}.sock")
-        self.addresses["ipc"] = sock.listen(f"ipc://{self._ipc_path}").url
+        # An abstract unix socket: no file in /tmp, gone with the process even after SIGKILL.
+        self.addresses["ipc"] = sock.listen(f"abstract://mq-{token}").url
         self.addresses["inproc"] = sock.listen(f"inproc://mq-{token}").url
         # Read the fd here: a stop() racing the thread's start must not make it read a closed socket.
         self._reader = threading.Thread(target=self._read_loop, args=(sock.recv_fd,), daemon=True,
@@ -210,11 +208,6 @@ class NngTransport(Transport):
             if fd >= 0:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
-        if self._ipc_path:
-            try:
-                os.unlink(self._ipc_path)
-            except OSError:
-                pass
 
     # ------------------------------------------------------------------ joining
     def greet(self, target: str, frame: Frame, token: str) -> None:

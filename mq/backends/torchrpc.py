@@ -98,7 +98,7 @@ import threading
 import time
 import uuid
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable, List, Mapping
 
