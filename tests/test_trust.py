@@ -160,6 +160,7 @@ def test_a_blocked_sender_gets_peer_lost_within_a_second_of_sigkill(learner):
         os.kill(proc.pid, signal.SIGKILL)
         t.join(5)
         assert isinstance(outcome.get("error"), mq.PeerLost), outcome
+        print(f"blocked send -> PeerLost {outcome['t'] - killed:.3f}s after SIGKILL: {outcome['error']}")
         assert outcome["t"] - killed < 1.0
         assert "never acknowledged" in str(outcome["error"])  # what was in flight is reported
         with pytest.raises(mq.PeerLost, match="never acknowledged"):
@@ -232,6 +233,7 @@ def test_a_host_that_vanishes_without_fin_is_lost_within_the_heartbeat_bound():
                 gone = time.monotonic()
                 assert wait_until(lambda: 1 not in q.peers(), 8)
                 detected = time.monotonic() - gone
+                print(f"host gone without FIN: lost after {detected:.2f}s ({q._peers[1].lost})")
                 assert detected <= q.peer_timeout + q.heartbeat + 0.5, detected
                 assert "went silent" in q._peers[1].lost
             finally:
