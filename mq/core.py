@@ -367,7 +367,7 @@ class MQ:
         _check_topic(topic)
         timeout = self._timeout(timeout)
         deadline = time.monotonic() + timeout
-        targets = [p.node_id for p in self._peer_list() if topic in p.subscriptions and not p.lost]
+        targets = sorted(p.node_id for p in self._peer_list() if topic in p.subscriptions and not p.lost)
         if targets:
             self._deliver_to(targets, self._encode(MSG, topic, payload), deadline)
         return targets

@@ -313,3 +313,19 @@ def test_mq_run_hands_the_job_secret_to_its_workers(tmp_path):
     lines = sorted(line for line in r.stdout.splitlines() if line.startswith("node "))
     assert lines == [f"node {n} secret from env peers {[p for p in range(3) if p != n]}" for n in range(3)]
     assert stat.S_IMODE(os.stat(tmp_path / "secret").st_mode) == 0o600
+
+
+def test_a_planted_rendezvous_entry_is_refused():
+    import msgpack
+
+    from mq.launch import free_port
+    from mq.rendezvous import Rendezvous
+
+    secret = auth.resolve_secret("the-jobs-real-secret")
+    port = free_port()
+    node0 = Rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=5)
+    stranger = auth.Secret(b"a-strangers-guess", "explicit")
+    planted = auth.seal(stranger, msgpack.packb({"addresses": {"tcp": "tcp://203.0.113.9:1"}}))
+    node0.store.set("mq/1", planted)  # a stranger writes node 1's entry first
+    with pytest.raises(mq.ProtocolError, match="not signed with this job's secret"):
+        node0.exchange({"addresses": {"tcp": "tcp://127.0.0.1:1"}}, secret)
