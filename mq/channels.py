@@ -63,7 +63,8 @@ log = logging.getLogger("mq.channels")
 
 _ALIGN = 64
 _LEAF = "\x00mq.leaf"  # placeholder key of an array packed into the shared buffer
-_BY_HANDLE_MIN = 64 << 10  # smaller versions go as plain messages (as the shm inline bound)
+_BY_HANDLE_MIN = 64 << 10
+LEFT_GRACE_S = 2.0  # a sender that left may still have its end marker in our handler queue  # smaller versions go as plain messages (as the shm inline bound)
 # policy lag of every LatestWins publisher of one MQ, as one metrics gauge
 _LAGS: "weakref.WeakKeyDictionary[Any, dict[str, dict[int, int]]]" = weakref.WeakKeyDictionary()
 
@@ -224,6 +225,25 @@ class LatestWins:
         gauge = _LAGS.setdefault(self.q, {})
         gauge[self.name] = self.lag()
         self.q.set_metric("policy_lag", gauge)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every subscriber was sent the newest version offered to it (e.g. a final
+        version, before this node stops).
+
+        Raises:
+            Timeout: some subscriber's link stayed busy for ``timeout`` seconds.
+        """
+        wait = self.q.timeout if timeout is None else timeout
+
+        def done() -> bool:
+            return all(s.box is None and (s.in_flight is None or s.confirmed >= s.in_flight[0])
+                       for s in self._senders.values() if s.alive and s.peer in live)
+
+        live = set(self.q.peers())
+        with self._cond:
+            if not self._cond.wait_for(done, wait):
+                raise Timeout(f"{self.name!r}: the newest version did not reach every subscriber within "
+                              f"{wait:g}s (slow or stuck subscribers: pass a longer timeout)")
 
     def lag(self) -> dict[int, int]:
         """Policy lag per subscriber that reported: newest version minus the one it acts with."""
@@ -488,6 +508,7 @@ class Stream:
             self._head = 0
             self._from: dict[int, _Incoming] = {}
             self.restarts: list[dict[str, Any]] = []
+            self._gone: dict[int, float] = {}  # sender -> when it was first seen gone
             self.problems: list[str] = []
             q.subscribe(name, self._on_data)
             self._acker = threading.Thread(target=self._ack_loop, daemon=True, name=f"mq{q.node_id}-{name}-credit")
@@ -620,6 +641,23 @@ class Stream:
                 except MQError as exc:
                     log.debug("node %d: stream %r: credit to node %d: %s", self.q.node_id, self.name, sender, exc)
 
+    def open_senders(self, expect: Iterable[int] = ()) -> list[int]:
+        """Senders (seen, or in ``expect``) that have not closed their end and are still in the
+        job. One that left stays open for ``LEFT_GRACE_S``: its end marker may still be on its
+        way through this node's handler queue."""
+        now, live = time.monotonic(), set(self.q.peers())
+        with self._cond:
+            for s in live:
+                self._gone.pop(s, None)
+            out = []
+            for s in sorted(set(expect) | set(self._from)):
+                if self.ended(s):
+                    continue
+                if s not in live and now - self._gone.setdefault(s, now) > LEFT_GRACE_S:
+                    continue
+                out.append(s)
+            return out
+
     def ended(self, sender: int) -> bool:
         """Whether ``sender`` closed its end (all it sent has arrived)."""
         inc = self._from.get(sender)
@@ -654,12 +692,7 @@ class Stream:
             return {"sent": self.sent}
         deadline = time.monotonic() + wait
         want = set(expect)
-        while time.monotonic() < deadline:
-            live = set(self.q.peers())
-            with self._cond:
-                open_ = [s for s in want | set(self._from) if not self.ended(s) and s in live]
-            if not open_:
-                break
+        while self.open_senders(want) and time.monotonic() < deadline:
             time.sleep(0.02)
         report = self._report(want)
         self._closed = True
@@ -678,7 +711,7 @@ class Stream:
                 problems.append(f"node {s} left or did not close its end ({c['received']} received)")
             elif c["sent"] != c["received"]:
                 problems.append(f"node {s} sent {c['sent']} messages, {c['received']} arrived")
-        return {"counts": counts, "restarts": list(self.restarts), "problems": problems}
+        return {"counts": counts, "restarts": list(self.restarts), "problems": problems, "unread": self.pending()}
 
     def _need(self, *, sending: bool) -> None:
         if self._closed:
