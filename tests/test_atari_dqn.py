@@ -102,7 +102,7 @@ def test_smoke(mq_type):
     lag = r["policy_lag"]
     assert 0 <= lag["mean"] <= lag["max"] <= r["weights_version"], lag
     topics = r["metrics"]["topics"]
-    assert topics["weights"]["sent"] >= 2 * r["weights_version"], topics["weights"]
+    assert topics["weights"]["sent"] >= 2, topics["weights"]  # superseded versions are skipped
     # every transitions message arrived (plus one end marker per collector)
     messages = r["transition_messages"]
     assert topics["transitions"]["received"] == sum(m["sent"] + 1 for m in messages.values()), (topics, messages)
