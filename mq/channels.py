@@ -178,22 +178,23 @@ class LatestWins:
             tree = _strip(payload, leaves)
             total = _layout_bytes(leaves)
             if leaves and total >= _BY_HANDLE_MIN:
-                buf = self._free_buffer(total)
+                buf = self._free_buffer(total, any(not isinstance(x, np.ndarray) for x in leaves))
                 if buf is not None:
                     layout = buf.fill(leaves)
                     self.stats["by_handle"] += 1
-                    return {"v": version, "tree": tree, "buf": buf.tensor, "leaves": layout}, buf
+                    return {"v": version, "tree": tree, "buf": buf.handle, "leaves": layout}, buf
         self.stats["plain"] += 1
         return {"v": version, "tree": payload}, None
 
-    def _free_buffer(self, nbytes: int) -> "_Buffer | None":
+    def _free_buffer(self, nbytes: int, tensors: bool) -> "_Buffer | None":
         with self._cond:
-            for buf in self._buffers:
+            mine = [b for b in self._buffers if (b.tensor is not None) == tensors]
+            for buf in mine:
                 if buf.pending == 0 and buf.nbytes >= nbytes and buf.released(self.q):
                     return buf
-            if len(self._buffers) < 2:
+            if len(mine) < 2:  # double buffering: one for receivers to hold, one to write
                 try:
-                    buf = _Buffer(self.q, nbytes)
+                    buf = _Buffer(self.q, nbytes, tensors)
                 except ConfigError:  # no pool here: plain messages
                     return None
                 self._buffers.append(buf)
@@ -322,26 +323,30 @@ class LatestWins:
 
 
 class _Buffer:
-    """One of a publisher's two pool buffers (a torch uint8 tensor from ``q.alloc``)."""
+    """One of a publisher's two pool buffers from ``q.alloc``: a uint8 torch tensor when the
+    payload holds tensors, else a numpy array (torch is never imported for numpy payloads: its
+    import holds the GIL for seconds)."""
 
-    def __init__(self, q: Any, nbytes: int):
-        import torch
+    def __init__(self, q: Any, nbytes: int, tensors: bool):
+        self.tensor: Any = None
+        if tensors:
+            import torch
 
-        self.tensor = q.alloc(nbytes, torch.uint8)
-        self.array = self.tensor.numpy()
+            self.tensor = self.handle = q.alloc(nbytes, torch.uint8)
+            self.array = self.tensor.numpy()
+        else:
+            self.handle = self.array = q.alloc(nbytes, "uint8")
         self.nbytes = nbytes
         self.pending = 0  # sender threads about to send it (guarded by the channel's lock)
 
     def released(self, q: Any) -> bool:
         try:
-            q.wait_released(self.tensor, timeout=0)
+            q.wait_released(self.handle, timeout=0)
             return True
         except Timeout:
             return False
 
     def fill(self, leaves: list[Any]) -> list[list[Any]]:
-        import torch
-
         layout, off = [], 0
         for leaf in leaves:
             n = leaf.nbytes if isinstance(leaf, np.ndarray) else leaf.numel() * leaf.element_size()
@@ -350,7 +355,7 @@ class _Buffer:
                 layout.append(["np", leaf.dtype.str, list(leaf.shape), off, n])
             else:
                 flat = leaf.detach().contiguous().reshape(-1)
-                self.tensor[off:off + n].copy_(flat.view(torch.uint8) if n else flat.to(torch.uint8))
+                self.tensor[off:off + n].copy_(flat.view(_torch().uint8))
                 layout.append(["torch", str(leaf.dtype).removeprefix("torch."), list(leaf.shape), off, n])
             off += -(-n // _ALIGN) * _ALIGN
         return layout
@@ -386,19 +391,21 @@ def _unpack(p: dict[str, Any]) -> Any:
     """The payload of a received value: views of the shared buffer where it came by handle."""
     if "buf" not in p:
         return p.get("tree")
-    import torch
-
     buf = p["buf"]
-    if isinstance(buf, np.ndarray):
-        buf = torch.from_numpy(buf.copy()) if not buf.flags.writeable else torch.from_numpy(buf)
     views = []
     for kind, dtype, shape, off, n in p["leaves"]:
         raw = buf[off:off + n]
         if kind == "np":
-            views.append(raw.numpy().view(np.dtype(dtype)).reshape(shape))
+            views.append((raw if isinstance(raw, np.ndarray) else raw.numpy()).view(np.dtype(dtype)).reshape(shape))
         else:
-            views.append(raw.view(getattr(torch, dtype)).reshape(shape))
+            views.append(raw.view(getattr(_torch(), dtype)).reshape(shape))
     return _fill(p["tree"], views)
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
 
 
 def _fill(tree: Any, views: list[Any]) -> Any:
