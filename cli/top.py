@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -120,7 +121,14 @@ def top(attach_to: str, mq_type: str, node_id: int | None, interval: float, once
             registry = CollectorRegistry()
             registry.register(latest)  # type: ignore[arg-type]
             start_http_server(prometheus, registry=registry)
-        with Live(render({}), auto_refresh=False) as live:
+        console = Console()
+        if not console.is_terminal:  # a pipe or a log file: one table per refresh
+            while True:
+                latest.snapshots = telemetry.collect(q)
+                Console(width=200).print(render(latest.snapshots))
+                sys.stdout.flush()
+                time.sleep(interval)
+        with Live(render({}), console=console, auto_refresh=False) as live:
             while True:
                 latest.snapshots = telemetry.collect(q)
                 live.update(render(latest.snapshots), refresh=True)

@@ -219,3 +219,17 @@ def test_fan_out_sends_once_per_remote_host_through_a_relay(tmp_path):
     assert r[1]["stats"]["relayed"] >= 1 and r[2]["stats"]["relayed"] == 0
     assert r[0]["sent"] <= 5, r[0]  # once per version to that host (to the relay), not twice
     assert r[0]["lag"] == {"1": 0, "2": 0}  # node 2 reports to the publisher, not to the relay
+
+
+def test_latest_wins_waits_are_bounded_and_names_are_checked():
+    q = mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", timeout=5)
+    with q:
+        weights = mq.LatestWins(q, "weights", subscribe=True)
+        assert weights.latest() is None
+        t0 = time.monotonic()
+        with pytest.raises(mq.Timeout, match="no version of 'weights' newer than -1 within 0.2s"):
+            weights.wait_newer(-1, timeout=0.2)
+        assert time.monotonic() - t0 < 2
+        assert mq.LatestWins(q, "w2").publish({"x": 1}) == 0  # nobody subscribed: still numbered
+        with pytest.raises(mq.ConfigError, match="reserved"):
+            mq.LatestWins(q, "_mq.weights")

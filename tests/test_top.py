@@ -138,6 +138,17 @@ def test_top_serves_prometheus_text(job):
             proc.wait()
 
 
+def test_top_live_view_refreshes(job):
+    proc = subprocess.Popen([sys.executable, "-m", "mq.cli.main", "top", "--attach-to", job, "--interval", "0.3"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate(timeout=8)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+    assert out.count("mq top - 3 node(s)") >= 2, out[-3000:]  # refreshed, every node each time
+
+
 def test_top_says_when_nobody_answers():
     port = _free_ports(1)[0]
     p = _mq("top", "--attach-to", f"tcp://127.0.0.1:{port}", "--once", "--timeout", "1")
