@@ -20,6 +20,7 @@ Channels::
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import csv
 import json
@@ -260,7 +261,8 @@ def learner(ctx: mq.Context, a: cfgmod.Args) -> dict[str, Any]:
     progress.log(time.monotonic(), logs, total, updates, weights, epsilon, episodes,
                  float(np.mean(returns)) if returns else float("nan"), losses)
     publish(finished=True)  # evaluators stop
-    weights.flush(timeout=5.0)
+    with contextlib.suppress(mq.Timeout):  # a stuck evaluator must not fail the run
+        weights.flush(timeout=5.0)
     stream = transitions.close(expect=collectors, timeout=5.0, check=False)
     problems += stream["problems"]
 
@@ -385,7 +387,8 @@ def follower(ctx: mq.Context, learner_id: int, evaluate: bool) -> None:
         if evaluate:
             obs = next_act_obs
             for ret, length in ended:
-                q.send(learner_id, EVAL, {"version": version, "return": ret, "length": length}, timeout=10.0)
+                with contextlib.suppress(mq.MQError):  # the learner may have finished meanwhile
+                    q.send(learner_id, EVAL, {"version": version, "return": ret, "length": length}, timeout=10.0)
                 evaluated = (version, time.monotonic())
             continue
         batch.append((obs, actions, rewards, next_obs, terminated))
