@@ -107,7 +107,8 @@ class LatestWins:
     # ---- publisher
     def publish(self, payload: Any) -> int:
         """Offer ``payload`` as the next version to every subscriber; returns its number.
-        Never waits on a subscriber (see the class docstring)."""
+        Never waits on a subscriber (see the class docstring). Its arrays and tensors are copied
+        once (into a pool buffer, or a private copy), so the caller may change them right after."""
         if self._closed:
             raise ClosedError(f"LatestWins {self.name!r} was closed")
         with self._cond:
@@ -167,7 +168,8 @@ class LatestWins:
                     self.stats["by_handle"] += 1
                     return {"v": version, "tree": tree, "buf": buf.handle, "leaves": layout}, buf
         self.stats["plain"] += 1
-        return {"v": version, "tree": payload}, None
+        # Sender threads send it later: a private copy, so the caller may change its arrays now.
+        return {"v": version, "tree": _snapshot(payload)}, None
 
     def _free_buffer(self, nbytes: int, tensors: bool) -> "_Buffer | None":
         with self._cond:
@@ -240,6 +242,10 @@ class LatestWins:
             log.warning("node %d: %r: dropped a malformed value from node %d", self.q.node_id, self.name,
                         msg.sender)
             return
+        try:  # the receipt: the sender sends us nothing newer before it (one in flight)
+            self.q.send(msg.sender, self._acting_topic, {"got": p["v"]}, timeout=1.0)
+        except MQError as exc:
+            log.debug("node %d: %r: receipt: %s", self.q.node_id, self.name, exc)
         value = _unpack(p)
         with self._cond:
             self.stats["received"] += 1
@@ -250,10 +256,6 @@ class LatestWins:
             self._latest = Version(p["v"], value, origin)
             self.version = p["v"]
             self._cond.notify_all()
-        try:  # the receipt: the sender sends us nothing newer before it (one in flight)
-            self.q.send(msg.sender, self._acting_topic, {"got": p["v"]}, timeout=1.0)
-        except MQError as exc:
-            log.debug("node %d: %r: receipt: %s", self.q.node_id, self.name, exc)
         relay_to = [x for x in p.get("relay_to") or () if isinstance(x, int)]
         if relay_to:  # one copy into our pool for the subscribers of this host
             peers = set(self.q.peers())
@@ -359,6 +361,19 @@ def _strip(tree: Any, leaves: list[Any]) -> Any:
         return {k: _strip(v, leaves) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(_strip(v, leaves) for v in tree)
+    return tree
+
+
+def _snapshot(tree: Any) -> Any:
+    """``tree`` with every array and tensor (any device) copied."""
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    if type(tree).__module__.startswith("torch") and hasattr(tree, "clone"):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _snapshot(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_snapshot(v) for v in tree)
     return tree
 
 

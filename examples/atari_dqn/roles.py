@@ -182,8 +182,7 @@ def learner(ctx: mq.Context, a: cfgmod.Args) -> dict[str, Any]:
 
     def publish(finished: bool = False) -> None:
         nonlocal published_at
-        state = {k: (v.detach().clone() if on_device else v.detach().to("cpu", copy=True))
-                 for k, v in qnet.state_dict().items()}
+        state = {k: v if on_device else v.cpu() for k, v in qnet.state_dict().items()}  # publish copies
         credit = -1 if a.unpaced else math.ceil((a.learning_starts + updates * a.train_frequency) / n) + slack
         weights.publish({"state": state, "credit": credit, "quota": quota, "stop": stop,
                          "finished": finished, "config": cfgmod.to_dict(a)})
