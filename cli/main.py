@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 # command name -> module under mq.cli holding a click command of that name
-_COMMANDS = {"run": "run", "bench": "bench", "doctor": "doctor"}
+_COMMANDS = {"run": "run", "bench": "bench", "doctor": "doctor", "top": "top"}
 
 
 class _LazyGroup(click.Group):

@@ -7,6 +7,7 @@ One message-queue interface (:class:`MQ`) over two backends, NNG (``nng``) and t
     >>> q = mq.create("nng", node_id=0, labels={"learner"}, listen_to="tcp://127.0.0.1:50515")
 """
 
+from mq.channels import LatestWins, Version
 from mq.core import Message, MQ, Peer, Stats
 from mq.errors import (
     ClosedError,
@@ -16,11 +17,13 @@ from mq.errors import (
     PeerLost,
     ProtocolError,
     RemoteError,
+    StreamError,
     Timeout,
 )
 from mq.launch import Context, LaunchError, launch
 from mq.registry import MQ_TYPES, create
 from mq.routing import Route
+from mq.stream import Stream
 
 __version__ = "0.1.0"
 
@@ -29,6 +32,7 @@ __all__ = [
     "ConfigError",
     "Context",
     "EncodeError",
+    "LatestWins",
     "LaunchError",
     "MQ",
     "MQError",
@@ -40,7 +44,10 @@ __all__ = [
     "RemoteError",
     "Route",
     "Stats",
+    "Stream",
+    "StreamError",
     "Timeout",
+    "Version",
     "create",
     "launch",
 ]

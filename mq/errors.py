@@ -9,6 +9,7 @@
     ├── Timeout(TimeoutError)        a bounded wait ran out
     ├── PeerLost(ConnectionError)    the peer died or became unreachable
     ├── RemoteError                  the peer's handler raised; type and message kept
+    ├── StreamError                  a stream's counts do not add up (lost, reordered, restarted)
     └── ClosedError                  you used a queue after stop()
 
 Backends translate their native errors into this tree at one place each.
@@ -45,6 +46,15 @@ class ClosedError(MQError):
     """The queue was stopped by this process."""
 
 
+class StreamError(MQError):
+    """A :class:`mq.Stream` did not deliver exactly what its senders sent: a count differs, a
+    sender left without closing or restarted as a new process. ``report`` holds the details."""
+
+    def __init__(self, message: str, report: dict | None = None):
+        super().__init__(message)
+        self.report = report or {}
+
+
 class RemoteError(MQError):
     """The remote handler raised.
 
@@ -74,5 +84,6 @@ __all__ = [
     "PeerLost",
     "ProtocolError",
     "RemoteError",
+    "StreamError",
     "Timeout",
 ]

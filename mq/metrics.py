@@ -86,7 +86,14 @@ def _pct(sorted_s: list[float], q: float) -> float | None:
 def prometheus_text(snapshots: dict[int, dict[str, Any]]) -> str:
     """Metrics of one or more nodes (by node id) in Prometheus' text format, made with
     prometheus_client so names and escaping follow its rules."""
-    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+    from prometheus_client import generate_latest
+
+    return generate_latest(prometheus_registry(snapshots)).decode()
+
+
+def prometheus_registry(snapshots: dict[int, dict[str, Any]]) -> Any:
+    """A prometheus_client registry holding the metrics of these nodes (to serve or print)."""
+    from prometheus_client import CollectorRegistry, Gauge
 
     reg = CollectorRegistry()
     per_topic = {
@@ -118,4 +125,4 @@ def prometheus_text(snapshots: dict[int, dict[str, Any]]) -> str:
         for channel, by_peer in snap.get("policy_lag", {}).items():
             for peer, value in by_peer.items():
                 lag.labels(str(node), channel, str(peer)).set(value)
-    return generate_latest(reg).decode()
+    return reg

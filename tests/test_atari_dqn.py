@@ -98,6 +98,14 @@ def test_smoke(mq_type):
     assert isinstance(r["loss"], float) and math.isfinite(r["loss"])
     versions = r["collector_weight_versions"]
     assert set(versions) == set(r["transitions_sent"]) and all(v >= 1 for v in versions.values()), r
+    # RL channels: policy lag of the weights channel, per-topic metrics from q.metrics()
+    lag = r["policy_lag"]
+    assert 0 <= lag["mean"] <= lag["max"] <= r["weights_version"], lag
+    topics = r["metrics"]["topics"]
+    assert topics["weights"]["sent"] >= 2, topics["weights"]  # superseded versions are skipped
+    # every transitions message arrived (plus one end marker per collector)
+    messages = r["transition_messages"]
+    assert topics["transitions"]["received"] == sum(m["sent"] + 1 for m in messages.values()), (topics, messages)
 
 
 # ---------------------------------------------------------------------- learning
