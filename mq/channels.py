@@ -140,7 +140,7 @@ class LatestWins:
 
     def _plan(self, subs: list[int]) -> tuple[list[int], dict[int, list[int]]]:
         """Subscribers sent to directly, and relays -> the others of their host."""
-        mine = self.q.locality.boot_id
+        mine = self.q.host_of(self.q.node_id)
         by_host: dict[Any, list[int]] = {}
         for peer in subs:
             by_host.setdefault(self.q.host_of(peer), []).append(peer)

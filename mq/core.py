@@ -599,11 +599,18 @@ class MQ:
         self._metrics.gauges[name] = value
 
     def host_of(self, peer: int) -> str | None:
-        """An id of the host ``peer`` runs on (its boot id; None if unknown): peers with the same
-        id share memory, so fan-out can send once per host."""
-        p = self._peers.get(peer)
-        loc = p.info.get("locality") if p is not None else None
-        return loc.get("boot_id") if isinstance(loc, dict) else None
+        """The shared-memory domain ``peer`` runs in (boot id and IPC namespace; None if unknown):
+        peers with the same id can share one copy, so fan-out can send once per domain. Two
+        containers or network-namespace "hosts" on one machine are two domains. ``host_of`` of
+        this node's own id is its own domain."""
+        if peer == self.node_id:
+            loc: Any = self.locality.to_dict()
+        else:
+            p = self._peers.get(peer)
+            loc = p.info.get("locality") if p is not None else None
+        if not isinstance(loc, dict) or not loc.get("boot_id"):
+            return None
+        return f"{loc['boot_id']}/{loc.get('ipc_ns')}/{loc.get('net_ns')}"
 
     def stats(self) -> Stats:
         if self._pool is not None:
@@ -879,6 +886,14 @@ class MQ:
             elif peer is None:
                 self._reject("unauthenticated", f"a {KIND_NAMES[env.kind]} frame claiming node "
                              f"{env.sender} on a link that never proved membership")
+            elif self._peers[peer].lost and env.sender == peer:
+                # It left (or went silent): answers to our own farewell still count; the rest
+                # of what was in flight is dropped quietly, as the sender was told (PeerLost).
+                if env.kind in (REP_OK, REP_ERR):
+                    self._on_reply(env)
+                else:
+                    log.debug("node %d: dropped a %s from node %d, which left", self.node_id,
+                              KIND_NAMES[env.kind], peer)
             elif env.sender != peer:
                 self._reject("spoofed_sender", f"a frame on node {peer}'s link claims to come from "
                              f"node {env.sender}")
@@ -933,9 +948,6 @@ class MQ:
                 why = f"{why}; {unacked} frame(s) sent to it were never acknowledged"
             peer.lost = why
             self._peers_changed.notify_all()
-        with self._lock:
-            for link in [k for k, p in self._links.items() if p == node_id]:
-                del self._links[link]
         log.info("node %d: peer %d lost: %s", self.node_id, node_id, why)
         self._forget_pool_state(peer)
         self._fail_calls(lambda p: PeerLost(f"node {p} {why}") if p == node_id else None)

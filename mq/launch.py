@@ -615,6 +615,9 @@ def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
         fn = resolve_main(plan.main, plan.package)
         labels = plan.labels.get(node_id, [])
         q = create(plan.mq_type, node_id, labels, **plan.options[node_id])
+        from mq import telemetry
+
+        telemetry.serve(q)  # every launched node answers `mq top`
         q.listen()
         q.subscribe(ABORT_TOPIC, on_abort)
         fn(Context(node_id, frozenset(labels), q, plan.mq_type, plan.world_size,

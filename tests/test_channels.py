@@ -187,7 +187,7 @@ def relay_job(ctx: mq.Context) -> None:
     if ctx.node_id == 0:
         # Pretend nodes 1 and 2 run on another host (one machine has one boot id): the
         # publisher then sends each version once to that host, to a relay that passes it on.
-        q.host_of = lambda peer: "host-b"
+        q.host_of = lambda peer: "host-a" if peer == q.node_id else "host-b"
         weights = mq.LatestWins(q, "weights")
         q.wait_for_subscribers("weights", 2, timeout=20)
         for v in range(5):
