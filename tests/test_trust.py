@@ -80,8 +80,9 @@ def test_a_node_with_another_secret_never_joins(learner):
     assert 7 not in learner.peers()
 
 
-def test_frames_without_a_handshake_are_refused_and_counted(learner):
-    s = stranger(learner.addresses["tcp"])
+@pytest.mark.parametrize("family", ["tcp", "ipc"])
+def test_frames_without_a_handshake_are_refused_and_counted(learner, family):
+    s = stranger(learner.addresses[family])
     try:
         for _ in range(5):
             s.send(raw_frame(MSG, 1, {"cmd": "rm -rf"}))
@@ -92,11 +93,12 @@ def test_frames_without_a_handshake_are_refused_and_counted(learner):
         s.close()
 
 
-def test_spoofed_sender_hijacked_id_and_forged_farewell_change_nothing(learner):
+@pytest.mark.parametrize("family", ["tcp", "ipc"])
+def test_spoofed_sender_hijacked_id_and_forged_farewell_change_nothing(learner, family):
     proc = peer(learner)
     try:
         learner.wait_for_peers(ids=[1], timeout=10)
-        s = stranger(learner.addresses["tcp"])
+        s = stranger(learner.addresses[family])
         s.send(raw_frame(MSG, 1, "spoofed: I am node 1"))                    # spoof a live id
         s.send(raw_frame(BYE, 1, {"rx": 0}))                                 # forged farewell
         s.send(raw_frame(LINK, 1, {"node_id": 1, "incarnation": "x", "proof": b"0" * 32}))
