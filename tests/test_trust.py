@@ -331,3 +331,18 @@ def test_a_planted_rendezvous_entry_is_refused():
     node0.store.set("mq/1", planted)  # a stranger writes node 1's entry first
     with pytest.raises(mq.ProtocolError, match="not signed with this job's secret"):
         node0.exchange({"addresses": {"tcp": "tcp://127.0.0.1:1"}}, secret)
+
+
+def test_a_planted_torchrpc_locality_is_refused(tmp_path):
+    import msgpack
+    import torch.distributed as dist
+
+    path = tmp_path / "store"
+    store = dist.FileStore(str(path), 2)
+    stranger = auth.Secret(b"a-strangers-guess", "explicit")
+    store.set("mq/torchrpc/locality/1", auth.seal(stranger, msgpack.packb({"locality": {"boot_id": "x"}})))
+    q = mq.create("torchrpc:cpu", 0, world_size=2, init_method=f"file://{path}", timeout=5,
+                  secret="the-jobs-real-secret")
+    with pytest.raises(mq.ProtocolError, match="not signed with this job's secret"):
+        q.listen()
+    assert not q.running
