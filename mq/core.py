@@ -177,6 +177,7 @@ class MQ:
         self._last_reject_log = 0.0
         self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
         self._beat: threading.Thread | None = None
+        self._targets: list[Any] = []  # what the transport told us to greet
         self._shm_options = (shm_pool_bytes, shm_inline_max)
         _shm.Pool.check_options(shm_pool_bytes, shm_inline_max)
         self._shm_wanted = bool(shm)

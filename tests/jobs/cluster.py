@@ -44,13 +44,22 @@ def learn(ctx: mq.Context) -> None:
 
 
 def crash_last(ctx: mq.Context) -> None:
-    """The last node raises once every node has joined; the others would sleep a minute."""
+    """The last node raises once every node has joined and said so; the others would sleep a
+    minute. (Joins finish pair by pair: the last node seeing everyone is not everyone seeing
+    everyone, so the others report in before it raises.)"""
+    q = ctx.mq
+    last = ctx.world_size - 1
     _record_pid(ctx)
-    ctx.mq.wait_for_peers(ctx.world_size - 1, timeout=60)
+    if ctx.node_id == last:
+        q.subscribe("ready")
+    q.wait_for_peers(ctx.world_size - 1, timeout=60)
     _say(ctx, _met(ctx))
-    if ctx.node_id == ctx.world_size - 1:
-        time.sleep(0.5)
+    if ctx.node_id == last:
+        ready = {q.recv(timeout=60).sender for _ in range(last)}
+        assert len(ready) == last, ready
         raise RuntimeError(f"node {ctx.node_id} exploded on purpose")
+    q.wait_for_subscribers("ready", 1, timeout=60)
+    q.send(last, "ready", ctx.node_id, timeout=30)
     time.sleep(60)
 
 
