@@ -49,7 +49,7 @@ def wait_dead(pids: list[int], timeout: float = 10) -> list[int]:
 
 
 def read_pids(d) -> list[int]:
-    return [int(p.read_text()) for p in d.iterdir()]
+    return [int(p.read_text()) for p in d.glob("*.pid")]
 
 
 def test_run_starts_workers_with_ids_labels_and_routes():

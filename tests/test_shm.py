@@ -168,7 +168,9 @@ def _pool_maps(pid: int) -> int:
 
 
 def _dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    # multiprocessing's own semaphores (sem.mp-*) come and go with other processes: not ours
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {n for n in names if not n.startswith("sem.mp-")}
 
 
 @pytest.fixture

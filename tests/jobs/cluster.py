@@ -11,6 +11,7 @@ import os
 import time
 
 import mq
+from tests.jobs import record_pid as _record_pid
 
 
 def learn(ctx: mq.Context) -> None:
@@ -103,8 +104,3 @@ def _say(ctx: mq.Context, met: dict[str, object], **extra: object) -> None:
     os.write(1, (line + "\n").encode())
 
 
-def _record_pid(ctx: mq.Context) -> None:
-    out = ctx.args.get("pid_dir") or os.environ.get("MQ_TEST_PID_DIR")
-    if out:
-        with open(os.path.join(out, f"{ctx.node_id}.pid"), "w") as f:
-            f.write(str(os.getpid()))

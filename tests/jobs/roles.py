@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import mq
+from tests.jobs import record_pid as _record_pid
 
 
 def ok(ctx: mq.Context) -> None:
@@ -32,8 +32,3 @@ def sleep_forever(ctx: mq.Context) -> None:
     time.sleep(600)
 
 
-def _record_pid(ctx: mq.Context) -> None:
-    out = ctx.args.get("pid_dir") or os.environ.get("MQ_TEST_PID_DIR")
-    if out:
-        with open(os.path.join(out, f"{ctx.node_id}.pid"), "w") as f:
-            f.write(str(os.getpid()))
