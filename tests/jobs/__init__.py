@@ -11,3 +11,11 @@ def record_pid(ctx) -> None:
         with open(tmp, "w") as f:
             f.write(str(os.getpid()))
         os.replace(tmp, os.path.join(out, f"{ctx.node_id}.pid"))
+
+
+def say(line: str) -> None:
+    """One write per line: a host's workers share the launcher's stdout, and print() writes the
+    newline separately when Python runs unbuffered, so lines of two workers could interleave."""
+    import os
+
+    os.write(1, (line + "\n").encode())

@@ -12,6 +12,7 @@ import time
 
 import mq
 from tests.jobs import record_pid as _record_pid
+from tests.jobs import say
 
 
 def learn(ctx: mq.Context) -> None:
@@ -99,8 +100,6 @@ def _say(ctx: mq.Context, met: dict[str, object], **extra: object) -> None:
         "node": ctx.node_id, "labels": sorted(ctx.labels), "world": ctx.world_size,
         "host": os.environ.get("SLURMD_NODENAME", ""), "pid": os.getpid(), "launcher": os.getppid(), **met, **extra,
     })
-    # One write per line: a host's workers share the launcher's stdout, and print() writes the
-    # newline separately when Python runs unbuffered.
-    os.write(1, (line + "\n").encode())
+    say(line)
 
 

@@ -6,6 +6,7 @@ import time
 
 import mq
 from tests.jobs import record_pid as _record_pid
+from tests.jobs import say
 
 
 def ok(ctx: mq.Context) -> None:
@@ -13,8 +14,8 @@ def ok(ctx: mq.Context) -> None:
 
     ctx.mq.subscribe(BARRIER, _BarrierBox.get(ctx.mq).arrive)
     ctx.mq.wait_for_peers(len(ctx.node_ids) - 1, timeout=20)
-    print(f"node {ctx.node_id} labels {sorted(ctx.labels)} peers {ctx.mq.peers()} "
-          f"routes {sorted({r.kind for r in ctx.mq.routes().values()})}", flush=True)
+    say(f"node {ctx.node_id} labels {sorted(ctx.labels)} peers {ctx.mq.peers()} "
+        f"routes {sorted({r.kind for r in ctx.mq.routes().values()})}")
     barrier(ctx, "start")  # nobody leaves before everyone has met everyone
 
 
