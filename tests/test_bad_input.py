@@ -79,6 +79,8 @@ CALLS = [
     (lambda q: q.alloc((2, "x"), "float32"), mq.ConfigError, "shape must be ints"),
     (lambda q: q.alloc(4, "no-such-dtype"), mq.ConfigError, "dtype must be a numpy or torch dtype"),
     (lambda q: q.wait_released(np.zeros(3)), mq.ConfigError, "not allocated with q.alloc"),
+    (lambda q: q.set_metric(5, 1), mq.ConfigError, "metric name must be a non-empty str"),
+    (lambda q: q.flush(1, timeout=math.inf), mq.ConfigError, "finite number of seconds"),
 ]
 
 
