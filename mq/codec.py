@@ -144,6 +144,9 @@ class Codec:
     # ------------------------------------------------------------------ encode
     def pack(self, payload: Any) -> tuple[bytes, list[Any]]:
         """Payload -> (msgpack tree, buffers). Buffers are uint8 numpy arrays, bytes, or tensors."""
+        fast = _pack_common(payload, self.keep_tensors)
+        if fast is not None:
+            return fast
         buffers: list[Any] = []
 
         def default(obj: Any) -> msgpack.ExtType:
@@ -233,6 +236,19 @@ class Codec:
     def unpack(self, tree: bytes, buffers: Sequence[Any], shared: Any = ()) -> Any:
         """(msgpack tree, buffers) -> payload. Buffers are memoryviews (or tensors); numpy
         arrays over the buffer indices in ``shared`` (another process's memory) are read-only."""
+        known = _ONE_BUFFER_TREES.get(tree) if len(buffers) == 1 else None
+        if known is not None and not shared:
+            out = known(buffers[0])
+            if out is not None:
+                return out
+        if not buffers:
+            try:
+                return msgpack.unpackb(tree, ext_hook=self._ext_no_buffers, raw=False,
+                                       strict_map_key=False, use_list=True)
+            except ProtocolError:
+                raise
+            except Exception as exc:
+                raise ProtocolError(f"malformed payload: {type(exc).__name__}: {exc}") from exc
 
         def ext_hook(code: int, data: bytes) -> Any:
             if code == _EXT_TUPLE:
@@ -257,13 +273,30 @@ class Codec:
                                    use_list=True)
 
         try:
-            return unpackb(tree)
+            out = unpackb(tree)
         except ProtocolError:
             raise
         except Exception as exc:  # any malformed tree is a protocol error, never a crash
             raise ProtocolError(f"malformed payload: {type(exc).__name__}: {exc}") from exc
         finally:
             del ext_hook, unpackb  # break the closure cycle holding the received frame (see pack)
+        if len(buffers) == 1 and not shared:
+            _remember_one_buffer_tree(tree, out)
+        return out
+
+    def _ext_no_buffers(self, code: int, data: bytes) -> Any:
+        """ext_hook of a frame without buffers: only tuples and (opted-in) pickles can occur."""
+        if code == _EXT_TUPLE:
+            return tuple(msgpack.unpackb(data, ext_hook=self._ext_no_buffers, raw=False,
+                                         strict_map_key=False, use_list=True))
+        if code == _EXT_PICKLE:
+            if not self.allow_pickle:
+                raise ProtocolError("received a pickled value but this node does not unpickle network "
+                                    "data; create it with allow_pickle=True if the sender is trusted")
+            return pickle.loads(data)
+        if code in (_EXT_NDARRAY, _EXT_TENSOR, _EXT_BYTES):
+            raise ProtocolError("payload refers to a buffer, the frame has none")
+        raise ProtocolError(f"unknown extension code {code} in payload")
 
     def _unpack_ndarray(self, data: bytes, buffers: Sequence[Any], shared: Any) -> np.ndarray:
         dtype_str, shape, index = msgpack.unpackb(data)
@@ -335,7 +368,9 @@ class Codec:
                 shared.add(index)
         if not isinstance(sent_at, float):
             raise ProtocolError("envelope send time is not a float")
-        nbytes = sum(b.nbytes if hasattr(b, "nbytes") else len(b) for b in buffers)
+        nbytes = 0
+        for b in buffers:
+            nbytes += b.nbytes if type(b) is memoryview or hasattr(b, "nbytes") else len(b)
         return Envelope(kind, topic, sender, seq, corr, self.unpack(tree, buffers, shared), sent_at, nbytes)
 
     def decode_frame(self, frame: Any) -> Envelope:
@@ -367,12 +402,12 @@ def split(frame: Any) -> tuple[list[Any], list[memoryview]]:
         raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
     if not isinstance(sizes, list):
         raise ProtocolError("envelope buffer sizes are not a list")
-    buffers, pos = [], _align(4 + hlen)
+    buffers, pos, end = [], (4 + hlen + ALIGN - 1) & -ALIGN, len(view)
     for n in sizes:
-        if not (isinstance(n, int) and 0 <= n and pos + n <= len(view)):
-            raise ProtocolError(f"buffer of {n!r} bytes at offset {pos} overruns the {len(view)}-byte frame")
+        if not (type(n) is int and 0 <= n and pos + n <= end):
+            raise ProtocolError(f"buffer of {n!r} bytes at offset {pos} overruns the {end}-byte frame")
         buffers.append(view[pos:pos + n])
-        pos = _align(pos + n)
+        pos = (pos + n + ALIGN - 1) & -ALIGN
     return head, buffers
 
 
@@ -394,7 +429,7 @@ class Frame:
     ``layout`` caches what a transport derived from the frame (publish lays out once).
     """
 
-    __slots__ = ("kind", "head", "header", "buffers", "sizes", "_offsets", "size", "layout")
+    __slots__ = ("kind", "head", "header", "buffers", "sizes", "_offsets", "size", "nbytes", "layout")
 
     def __init__(self, kind: int, head: list[Any], buffers: list[Any], sizes: list[int]):
         self.kind = kind
@@ -402,15 +437,23 @@ class Frame:
         self.header = msgpack.packb(head, use_bin_type=True)
         self.buffers = buffers
         self.sizes = sizes
-        self._offsets: list[int] | None = None
-        self.size = 0
         self.layout: dict[str, Any] = {}
-        self._place()
+        # The contiguous layout's offsets: header after its u32 length, each buffer 64-aligned.
+        pos = (4 + len(self.header) + ALIGN - 1) & -ALIGN
+        offsets = []
+        inline = 0
+        for n in sizes:
+            offsets.append(pos)
+            inline += n
+            pos = (pos + n + ALIGN - 1) & -ALIGN
+        self._offsets = offsets
+        self.size = offsets[-1] + sizes[-1] if sizes else 4 + len(self.header)
+        self.nbytes = len(self.header) + inline  # header plus inline bytes: what crosses the transport
 
     @classmethod
     def build(cls, kind: int, topic: str, sender: int, seq: int, corr: int, tree: bytes,
               buffers: list[Any]) -> "Frame":
-        sizes = [_nbytes(b) for b in buffers]
+        sizes = [b.nbytes if type(b) is np.ndarray else _nbytes(b) for b in buffers] if buffers else []
         head = [VERSION, kind, topic, sender, seq, corr, tree, sizes, None, time.time()]
         return cls(kind, head, buffers, sizes)
 
@@ -421,24 +464,11 @@ class Frame:
         head = self.head[:7] + [sizes, descs, self.head[9]]
         return Frame(self.kind, head, buffers, sizes)
 
-    @property
-    def nbytes(self) -> int:
-        """Header plus inline buffer bytes (what crosses the transport)."""
-        return len(self.header) + sum(self.sizes)
-
-    def _place(self) -> None:
-        offsets, pos = [], _align(4 + len(self.header))
-        for n in self.sizes:
-            offsets.append(pos)
-            pos = _align(pos + n)
-        self._offsets = offsets
-        self.size = offsets[-1] + self.sizes[-1] if self.sizes else 4 + len(self.header)
-
     def write_into(self, out: memoryview) -> None:
         """The contiguous layout into ``out`` (exactly ``self.size`` writable bytes)."""
         _U32.pack_into(out, 0, len(self.header))
         out[4:4 + len(self.header)] = self.header
-        for off, buf, n in zip(self._offsets or (), self.buffers, self.sizes):
+        for off, buf, n in zip(self._offsets, self.buffers, self.sizes):
             if n:
                 out[off:off + n] = memoryview(buf).cast("B")
 
@@ -448,16 +478,104 @@ class Frame:
         return out
 
 
+# ---------------------------------------------------------------------- the common payloads
+# RL control traffic is mostly one tensor or array, a scalar or string, or a flat dict of those.
+# They skip msgpack's per-object ``default`` callback, and a one-tensor/array tree seen before
+# is decoded from a table instead of being parsed again: these paths run per message.
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+_TREES_MAX = 512  # distinct (dtype, shape) trees remembered; cleared when full
+_ENCODED_TREES: dict[Any, bytes] = {}  # (kind, dtype, shape) -> tree
+_ONE_BUFFER_TREES: dict[bytes, Callable[[Any], Any]] = {}  # tree -> buffer -> payload (or None)
+
+
+def _pack_common(payload: Any, keep_tensors: bool) -> tuple[bytes, list[Any]] | None:
+    """(tree, buffers) for a common payload, or None: the general encoder handles it."""
+    t = type(payload)
+    try:
+        if t in _SCALARS:
+            return msgpack.packb(payload), []
+        if t is dict and len(payload) <= 16:
+            buffers: list[Any] = []
+            tree: dict[Any, Any] = {}
+            for k, v in payload.items():
+                vt = type(v)
+                if type(k) is not str:
+                    return None
+                if vt in _SCALARS or (vt is bytes and len(v) < _OOB_BYTES_MIN):
+                    tree[k] = v
+                    continue
+                ext = _common_buffer(v, vt, len(buffers), keep_tensors, buffers)
+                if ext is None:
+                    return None
+                tree[k] = ext
+            return msgpack.packb(tree, use_bin_type=True), buffers
+        buffers = []
+        ext = _common_buffer(payload, t, 0, keep_tensors, buffers)
+        return None if ext is None else (msgpack.packb(ext), buffers)
+    except (OverflowError, ValueError, TypeError, RuntimeError):
+        return None  # the general encoder says what is wrong
+
+
+def _common_buffer(v: Any, vt: type, index: int, keep_tensors: bool, buffers: list[Any]) -> Any:
+    """The ExtType of one contiguous CPU tensor or numeric numpy array (appending its buffer),
+    or None when the general encoder must look at it."""
+    if vt is np.ndarray:
+        if not (v.flags.c_contiguous and v.size and v.ndim) or v.dtype.hasobject:
+            return None
+        key: Any = (_EXT_NDARRAY, v.dtype.str, v.shape, index)
+        buffers.append(v.reshape(-1).view(np.uint8))
+    elif torch is not None and vt is torch.Tensor:
+        if not (v.is_cpu and v.layout is torch.strided and v.dtype in _NUMPY_OK
+                and not v.requires_grad and v.is_contiguous() and v.dim() and v.numel()):
+            return None
+        key = (_EXT_TENSOR, v.dtype, v.shape, index)
+        buffers.append(v if keep_tensors else v.numpy())
+    else:
+        return None
+    ext = _ENCODED_TREES.get(key)
+    if ext is None:
+        if len(_ENCODED_TREES) >= _TREES_MAX:
+            _ENCODED_TREES.clear()
+        meta = [key[1], list(key[2]), index] if vt is np.ndarray else \
+            [_DTYPE_NAMES[key[1]], list(key[2]), index, "cpu"]
+        ext = _ENCODED_TREES[key] = msgpack.ExtType(key[0], msgpack.packb(meta))
+    return ext
+
+
+def _remember_one_buffer_tree(tree: bytes, out: Any) -> None:
+    """After a one-buffer frame decoded the long way: if its payload was a plain CPU tensor or
+    a writable array, remember how to decode that exact tree again from its buffer alone."""
+    if tree in _ONE_BUFFER_TREES:
+        return
+    if type(out) is np.ndarray and out.flags.writeable and out.ndim:
+        dtype, shape, nbytes = out.dtype, out.shape, out.nbytes
+
+        def decode(buf: Any) -> Any:
+            if type(buf) is not memoryview or len(buf) != nbytes:
+                return None  # a tensor object (torch RPC): the long way
+            return np.frombuffer(buf, dtype=dtype).reshape(shape)
+    elif torch is not None and type(out) is torch.Tensor and out.is_cpu and out.dim():
+        tdtype, tshape, tbytes = out.dtype, out.shape, out.numel() * out.element_size()
+        flat = len(tshape) == 1 and tdtype is torch.uint8
+
+        def decode(buf: Any) -> Any:
+            if type(buf) is not memoryview or len(buf) != tbytes or buf.readonly:
+                return None  # a tensor object (torch RPC) or read-only memory: the long way
+            t = torch.frombuffer(buf, dtype=torch.uint8)
+            return t if flat else t.view(tdtype).view(tshape)
+    else:
+        return
+    if len(_ONE_BUFFER_TREES) >= _TREES_MAX:
+        _ONE_BUFFER_TREES.clear()
+    _ONE_BUFFER_TREES[tree] = decode
+
+
 def _nbytes(b: Any) -> int:
     if isinstance(b, np.ndarray):
         return b.nbytes
     if _is_tensor(b):
         return b.numel() * b.element_size()
     return memoryview(b).nbytes
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
 def _lift_big_bytes(obj: Any) -> Any:

@@ -353,10 +353,13 @@ class MQ:
             PeerLost: the peer died or left.
             EncodeError: the payload holds something the codec cannot carry.
         """
-        _check_topic(topic)
-        timeout = self._timeout(timeout)
+        if type(topic) is not str or not topic:
+            _check_topic(topic)
+        timeout = self.timeout if timeout is None else self._timeout(timeout)
         deadline = time.monotonic() + timeout
-        self._wait_peer(peer, timeout)
+        p = self._peers.get(peer) if type(peer) is int else None
+        if p is None or p.lost is not None or self._state != "listening":
+            self._wait_peer(peer, timeout)  # says what is wrong, or waits for the peer to join
         self._deliver_to([peer], self._encode(MSG, topic, payload), deadline)
 
     def publish(self, topic: str, payload: Any, *, timeout: float | None = None) -> list[int]:
@@ -377,6 +380,14 @@ class MQ:
         """Send one frame to ``peers`` through each one's data path, then wait for every
         receipt together (a transfer from the caller's memory must finish before we return).
         A peer the frame never reached gives back its slot references at once."""
+        if len(peers) == 1 and (self._pool is None or not frame.sizes or not self._pool.wants(max(frame.sizes))):
+            # One peer, every buffer inline: the common small message.
+            receipt = self._send_checked(peers[0], frame, max(0.0, deadline - time.monotonic()))
+            if frame.kind == MSG:
+                self._metrics.sent(frame.head[2], frame.nbytes)
+            if receipt is not None:
+                receipt()
+            return
         frames, descs, shm_peers = self._data_paths(peers, frame, deadline)
         receipts: list[Receipt] = []
         try:
@@ -871,8 +882,9 @@ class MQ:
         """A frame arrived on ``link`` (the transport's I/O thread): decode and route it.
         Only handshake frames are taken from a link that has not proven membership; a frame's
         sender is its link's peer. A malformed or refused frame is dropped and counted."""
+        shared = type(header) is not list or header[8] is not None  # parsed: no descriptors
         try:
-            env = self.codec.decode(header, buffers, self._resolve_for(link))
+            env = self.codec.decode(header, buffers, self._resolve_for(link) if shared else None)
         except ProtocolError as exc:
             self.on_dropped(str(exc))
             return
@@ -898,8 +910,8 @@ class MQ:
             elif env.sender != peer:
                 self._reject("spoofed_sender", f"a frame on node {peer}'s link claims to come from "
                              f"node {env.sender}")
-            else:
-                self._deliver(env, sum(len(b) if not hasattr(b, "nbytes") else b.nbytes for b in buffers))
+            else:  # the queue's byte bound counts inline bytes (the pool bounds shared ones)
+                self._deliver(env, sum(_nbytes(b) for b in buffers) if shared else env.nbytes)
         except ProtocolError as exc:
             self.on_dropped(str(exc))
         except Exception:
@@ -980,8 +992,7 @@ class MQ:
         if env.kind == MSG:
             self._metrics.received(env.topic, env.nbytes)
             msg = Message(env.topic, env.payload, env.sender, env.sent_at)
-            with self._lock:
-                fn = self._subscriptions.get(env.topic)
+            fn = self._subscriptions.get(env.topic)  # a dict read is atomic: no lock per message
             if fn is not None:
                 self._put_blocking(self._handler_queue, (fn, msg), nbytes)
             else:
@@ -1286,6 +1297,8 @@ def _preload_torch() -> None:
 
 def _seconds(value: Any, name: str) -> float:
     """A finite, non-negative number of seconds, or a ConfigError that says so."""
+    if type(value) in (int, float) and 0 <= value <= _MAX_TIMEOUT_S:  # the usual case, per call
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number of seconds (int or float), got {value!r}")
     if value != value or value in (float("inf"), float("-inf")):
@@ -1305,17 +1318,20 @@ class BoundedQueue:
     """A FIFO bounded in messages and in bytes, for one producer (the I/O thread) and any
     consumers.
 
-    queue.Queue pays for a Python-level Condition on every put and get; the hand-off between the
-    I/O thread and ``recv()`` is on the small-message hot path, so items go through the C
-    SimpleQueue and only the capacity is counted with a semaphore. Bytes are counted (under a
-    lock) only for items of at least ``BIG`` bytes: smaller ones are bounded by the count.
+    The hand-off between the I/O thread and ``recv()`` is on the small-message hot path, so items
+    go through the C SimpleQueue and the count bound is its size: no Python-level lock or
+    semaphore per message. Only a producer facing a full queue waits on a Condition, and a
+    consumer notifies only when somebody waits. Bytes are counted (under a lock) only for items
+    of at least ``BIG`` bytes: smaller ones are bounded by the count.
     """
 
     BIG = 64 << 10
 
     def __init__(self, capacity: int, max_bytes: int = 1 << 62):
         self._items: queue.SimpleQueue = queue.SimpleQueue()
-        self._slots = threading.Semaphore(capacity)
+        self._capacity = capacity
+        self._space = threading.Condition()
+        self._waiting = 0  # producers waiting for space
         self._max_bytes = max_bytes
         self._bytes = 0
         self._bytes_cond = threading.Condition()
@@ -1329,23 +1345,33 @@ class BoundedQueue:
                         lambda: self._bytes == 0 or self._bytes + nbytes <= self._max_bytes, timeout):
                     return False
                 self._bytes += nbytes
-        if not self._slots.acquire(timeout=timeout):
-            self._unbytes(nbytes)
-            return False
+        if self._items.qsize() >= self._capacity:
+            with self._space:
+                self._waiting += 1  # before looking again: a consumer seeing it will notify
+                try:
+                    room = self._space.wait_for(lambda: self._items.qsize() < self._capacity, timeout)
+                finally:
+                    self._waiting -= 1
+            if not room:
+                self._unbytes(nbytes)
+                return False
         self._items.put((item, nbytes))
         return True
 
     def get(self, timeout: float) -> Any:
         """Next item; raises queue.Empty after ``timeout`` seconds."""
-        item, nbytes = self._items.get(timeout=timeout)
-        self._slots.release()
-        self._unbytes(nbytes)
-        return item
+        return self._taken(self._items.get(timeout=timeout))
 
     def get_nowait(self) -> Any:
-        item, nbytes = self._items.get_nowait()
-        self._slots.release()
-        self._unbytes(nbytes)
+        return self._taken(self._items.get_nowait())
+
+    def _taken(self, entry: tuple[Any, int]) -> Any:
+        item, nbytes = entry
+        if self._waiting:
+            with self._space:
+                self._space.notify()
+        if nbytes >= self.BIG:
+            self._unbytes(nbytes)
         return item
 
     def _unbytes(self, nbytes: int) -> None:
@@ -1359,6 +1385,10 @@ class BoundedQueue:
 
     def depth(self) -> dict[str, int]:
         return {"messages": self._items.qsize(), "bytes": self._bytes}
+
+
+def _nbytes(buf: Any) -> int:
+    return buf.nbytes if hasattr(buf, "nbytes") else len(buf)
 
 
 def _check_topic(topic: Any) -> None:

@@ -37,7 +37,14 @@ PAYLOADS = {
     "scalar": lambda: 7,
     "dict": lambda: {"step": 12, "reward": 0.5, "done": False, "info": "ok"},
     "array": lambda: np.zeros(320, np.float32),  # 1.25 KB
+    "tensor": lambda: _torch().zeros(1280, dtype=_torch().uint8),  # 1.25 KB, what `mq bench` sends
 }
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
 
 
 class CaptureTransport(Transport):
