@@ -789,7 +789,9 @@ class MQ:
             remote = Locality.from_dict(info.get("locality") or {})
         except Exception as exc:
             raise ProtocolError(f"node {peer_id} sent a malformed locality: {exc}") from None
-        same_process = remote.pid == self.locality.pid and remote.boot_id == self.locality.boot_id
+        # pid AND its PID namespace: two "hosts" (namespaces) on one machine reuse small pids.
+        same_process = (remote.pid == self.locality.pid and remote.boot_id == self.locality.boot_id
+                        and remote.pid_ns == self.locality.pid_ns)
         supported = set(self.transport.routes)
         reader, why_not = None, None
         if (self._pool is not None and self.transport.shm_ok and info.get("shm") is not None
