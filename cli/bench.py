@@ -83,6 +83,11 @@ def _fail(message: str) -> click.ClickException:
 @click.option("--two-hosts", is_flag=True,
               help="run the peer in its own network, PID and IPC namespaces behind a veth pair "
                    "(root and iproute2 needed).")
+@click.option("--hosts", "fan_hosts", default=None, metavar="LIST",
+              help="fanout across hosts: spread --subscribers over this many network-namespace "
+                   "hosts (comma list, e.g. 2,4), with relaying (tree and star) and without, against "
+                   "one subscriber on another host and N vs 1 on the same host, --min-samples per row "
+                   "and round, two rounds (root needed; see mq.tools.bench_fanout).")
 @click.option("--suite", is_flag=True,
               help="the full table: every mq type and route this machine has, same host and "
                    "--two-hosts, round trip at every size plus oneway (to 40MB), fanout (to 10MB) "
@@ -99,7 +104,7 @@ def _fail(message: str) -> click.ClickException:
 def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, ...],
           subscribers: int, messages: int, device: str, sizes: str | None,
           max_seconds: float | None, target_seconds: float, min_samples: int, max_samples: int,
-          warmup: int, two_hosts: bool, suite: bool, no_baseline: bool, no_links: bool, fmt: str,
+          warmup: int, two_hosts: bool, fan_hosts: str | None, suite: bool, no_baseline: bool, no_links: bool, fmt: str,
           out_dir: str | None, plot_path: str | None, quiet: bool) -> None:
     """Latency (round trip, one-way, fan-out) and stream throughput between processes per mq
     type, route and size, against raw pynng, raw pyzmq and raw torch RPC and the memcpy bound
@@ -118,6 +123,9 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
     if max_samples < min_samples:
         raise _fail("--max-samples must be >= --min-samples")
 
+    if fan_hosts is not None:
+        _fanout_across_hosts(fan_hosts, modes, size_list if sizes else [], subscribers, min_samples, quiet)
+        return
     hosts = ["same", "two"] if suite else (["two"] if two_hosts else ["same"])
     if two_hosts and not suite:
         from mq.tools.netns import unavailable
@@ -267,3 +275,25 @@ def _print_tables(report: lib.Report) -> None:
         console.print(f"{mark}: {target['target']} (worst: {target['worst']})")
     for note in report.notes:
         console.print(f"[dim]note: {note}[/dim]")
+
+
+def _fanout_across_hosts(fan_hosts: str, modes: tuple[str, ...], sizes: list[int], subscribers: int,
+                         samples: int, quiet: bool) -> None:
+    from mq.tools import bench_fanout
+    from mq.tools.netns import unavailable
+
+    try:
+        counts = sorted({int(h) for h in fan_hosts.split(",") if h.strip()})
+    except ValueError:
+        raise _fail(f"--hosts: a comma list of host counts such as 2,4, got {fan_hosts!r}") from None
+    if not counts or min(counts) < 1 or max(counts) > 16:
+        raise _fail(f"--hosts: host counts between 1 and 16, got {fan_hosts!r}")
+    if tuple(modes) != ("fanout",):
+        raise _fail("--hosts goes with --mode fanout (and no other mode)")
+    reason = unavailable()
+    if reason:
+        raise click.ClickException(f"--hosts: {reason}")
+    for size in sizes or [100 * MB]:
+        rows, info = bench_fanout.run(size, counts, subscribers=subscribers, samples=samples,
+                                      progress=(lambda s: None) if quiet else (lambda s: click.echo(s, err=True)))
+        click.echo(bench_fanout.table(rows, info))

@@ -42,9 +42,10 @@ ALIGN = 64
 _U32 = struct.Struct("<I")
 
 # Frame kinds. Data flows one way through them: the backend only looks at ``kind``.
-MSG, REQ, REP_OK, REP_ERR, HELLO, HELLO_ACK, SUBS, BYE, RELEASE, LINK, PING = range(11)
+# RELAY (last) carries a message through another node, see mq.fanout.
+MSG, REQ, REP_OK, REP_ERR, HELLO, HELLO_ACK, SUBS, BYE, RELEASE, LINK, PING, RELAY = range(12)
 KIND_NAMES = ("MSG", "REQ", "REP_OK", "REP_ERR", "HELLO", "HELLO_ACK", "SUBS", "BYE", "RELEASE", "LINK",
-              "PING")
+              "PING", "RELAY")
 
 # msgpack extension codes of the payload tree.
 _EXT_TUPLE, _EXT_NDARRAY, _EXT_TENSOR, _EXT_PICKLE, _EXT_BYTES = 1, 2, 3, 4, 5

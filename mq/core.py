@@ -34,10 +34,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 from mq import auth as _auth
+from mq import fanout as _fanout
 from mq import metrics as _metrics
 from mq import shm as _shm
-from mq.codec import (BYE, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELEASE, REP_ERR, REP_OK,
-                      REQ, SUBS, Codec, Envelope, Frame)
+from mq.codec import (BYE, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELAY, RELEASE, REP_ERR,
+                      REP_OK, REQ, SUBS, Codec, Envelope, Frame)
 from mq.errors import ClosedError, ConfigError, EncodeError, MQError, PeerLost, ProtocolError, RemoteError, Timeout
 from mq.locality import Locality, local
 from mq.routing import Route, select_route
@@ -51,7 +52,7 @@ _REGREET_S = 3.0
 # Joins in progress (HELLO answered, LINK not yet) kept at once; the oldest go first.
 _MAX_PENDING = 64
 # Frames these kinds carry are counted both ways; receipts (PING "rx") acknowledge them.
-_COUNTED = frozenset({MSG, REQ, REP_OK, REP_ERR})
+_COUNTED = frozenset({MSG, REQ, REP_OK, REP_ERR, RELAY})
 # Frames accepted from a link that has not proven membership yet: the handshake itself.
 _HANDSHAKE = frozenset({HELLO, HELLO_ACK, LINK})
 _STOPPED = "this queue was stopped; create a new one with mq.create(...)"
@@ -138,7 +139,8 @@ class MQ:
                  shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES,
                  shm_inline_max: int = _shm.DEFAULT_INLINE_MAX, queue_bytes: int = 256 << 20,
                  secret: str | bytes | None = None, insecure: bool = False,
-                 heartbeat: float = 1.0, peer_timeout: float = 4.0, mq_type: str | None = None):
+                 heartbeat: float = 1.0, peer_timeout: float = 4.0, mq_type: str | None = None,
+                 relay_min_bytes: int | None = _fanout.DEFAULT_RELAY_MIN_BYTES, relay_shape: str = "tree"):
         if not isinstance(node_id, int) or isinstance(node_id, bool) or node_id < 0:
             raise ConfigError(f"node_id must be a non-negative int, got {node_id!r}")
         if not isinstance(queue_size, int) or queue_size < 1:
@@ -202,6 +204,7 @@ class MQ:
         self._state = "new"  # new -> listening -> stopping -> stopped
         self._stats = Stats()
         self._metrics = _metrics.Metrics()
+        self._fanout = _fanout.Fanout(self, relay_min_bytes, relay_shape)
 
     # ------------------------------------------------------------------ lifecycle
     def listen(self) -> "MQ":
@@ -373,7 +376,9 @@ class MQ:
         deadline = time.monotonic() + timeout
         targets = sorted(p.node_id for p in self._peer_list() if topic in p.subscriptions and not p.lost)
         if targets:
-            self._deliver_to(targets, self._encode(MSG, topic, payload), deadline)
+            frame = self._encode(MSG, topic, payload)
+            if not self._fanout.publish(targets, frame, deadline):  # one copy per host, if it pays
+                self._deliver_to(targets, frame, deadline)
         return targets
 
     def _deliver_to(self, peers: list[int], frame: Frame, deadline: float) -> None:
@@ -795,7 +800,9 @@ class MQ:
             remote = Locality.from_dict(info.get("locality") or {})
         except Exception as exc:
             raise ProtocolError(f"node {peer_id} sent a malformed locality: {exc}") from None
-        same_process = remote.pid == self.locality.pid and remote.boot_id == self.locality.boot_id
+        # pid AND its PID namespace: two "hosts" (namespaces) on one machine reuse small pids.
+        same_process = (remote.pid == self.locality.pid and remote.boot_id == self.locality.boot_id
+                        and remote.pid_ns == self.locality.pid_ns)
         supported = set(self.transport.routes)
         reader, why_not = None, None
         if (self._pool is not None and self.transport.shm_ok and info.get("shm") is not None
@@ -1020,6 +1027,8 @@ class MQ:
                         self._pool.release(env.sender, *item)
         elif env.kind == PING:
             self._on_ping(env)
+        elif env.kind == RELAY:
+            self._fanout.on_frame(env)
         elif env.kind == BYE:
             self._on_receipt(env.sender, env.payload)
             try:  # answer first: the peer waits for it before closing its links

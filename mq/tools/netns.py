@@ -11,6 +11,13 @@ abstract unix sockets, no shared memory segments, no cross-process memory reads
         exe = hosts.wrapper()                     # the same, as an executable for spawn
     # namespace and links are gone here, also after an exception or Ctrl-C
 
+Several processes per "host", several hosts (fan-out across hosts): :class:`Hosts` makes N
+namespaces joined by a bridge in a namespace of its own (this host's network is not touched).
+Each host keeps one holder process that owns its PID, IPC and mount namespaces, and every
+process started there (``hosts.wrapper(i)``) enters all of them with ``nsenter``: processes of
+one host share memory by descriptor like processes of one machine; processes of two hosts share
+nothing but the bridge.
+
 Names carry the owning process id (``mqbench-<pid>-<n>``, links ``mqb<pid>h<n>`` /
 ``mqb<pid>p<n>``), so :func:`cleanup_stale` removes what a crashed run left behind without
 touching a namespace a concurrent run still uses.
@@ -39,6 +46,7 @@ from mq.errors import MQError
 
 __all__ = [
     "NS_PREFIX",
+    "Hosts",
     "NetnsError",
     "TwoHosts",
     "cleanup_stale",
@@ -291,3 +299,177 @@ def signals_raise() -> Iterator[None]:
         for sig, handler in old.items():
             with contextlib.suppress(ValueError, OSError):
                 signal.signal(sig, handler)
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL this child when the process that started it dies."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _find_child(pid: int, comm: str, timeout: float = 10.0) -> int:
+    """The pid of a descendant of ``pid`` named ``comm`` (waits for it to appear)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        parents: dict[int, int] = {}
+        names: dict[int, str] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            parents[int(entry)], names[int(entry)] = ppid, name
+        for child, name in names.items():
+            if name != comm:
+                continue
+            p = child
+            while p > 1:
+                p = parents.get(p, 0)
+                if p == pid:
+                    return child
+        time.sleep(0.02)
+    raise NetnsError(f"the namespace holder under pid {pid} did not start within {timeout:g}s")
+
+
+class Hosts:
+    """``n`` network-namespace hosts on one bridge; a context manager that removes them.
+
+    Host ``i`` has address ``addrs[i]`` (one /24) and its own network, PID, IPC and mount
+    namespaces, shared by every process started through :meth:`wrapper` ``(i)``. The bridge
+    lives in a namespace of its own; with ``root=True`` this host joins it too, by a veth whose
+    end here has address ``root_addr`` (the only thing added to this host's network).
+    """
+
+    def __init__(self, n: int, *, root: bool = False, subnet: str | None = None):
+        reason = unavailable() or (None if shutil.which("nsenter") else "`nsenter` not found: install util-linux")
+        if reason:
+            raise NetnsError(f"cannot make namespace hosts: {reason}")
+        if not 1 <= n <= 200:
+            raise NetnsError(f"hosts: 1 to 200, got {n}")
+        self.n = n
+        self._subnet = subnet
+        pid = os.getpid()
+        self.switch = f"{NS_PREFIX}{pid}-{next(_counter)}"
+        self.names: list[str] = []
+        self.links: list[tuple[str, str]] = []  # (switch side, host side)
+        for _ in range(n):
+            k = next(_counter)
+            self.names.append(f"{NS_PREFIX}{pid}-{k}")
+            self.links.append((f"{LINK_PREFIX}{pid}h{k}", f"{LINK_PREFIX}{pid}p{k}"))
+        if any(len(a) > 15 for a, _ in self.links):
+            raise NetnsError(f"link name {self.links[-1][0]!r} is longer than 15 characters")
+        self.root_link: tuple[str, str] | None = None  # (here, switch side)
+        if root:
+            k = next(_counter)
+            self.root_link = (f"{LINK_PREFIX}{pid}h{k}", f"{LINK_PREFIX}{pid}p{k}")
+        self.root_addr = ""
+        self.addrs: list[str] = []
+        self.prefixlen = 24
+        self._holders: list[subprocess.Popen] = []
+        self._holder_pids: list[int] = []
+        self._wrappers: list[str] = []
+        self._up = False
+        self._lock = threading.Lock()
+
+    def create(self) -> "Hosts":
+        cleanup_stale()
+        if self._subnet:
+            net = ipaddress.ip_network(self._subnet, strict=False)
+        else:
+            used = _used_subnets()
+            start = (os.getpid() + 97) % 254
+            free = next((x for x in ((start + i) % 254 + 1 for i in range(254)) if x not in used), None)
+            if free is None:
+                raise NetnsError("no free 10.77.X.0/24 subnet left for the bridge")
+            net = ipaddress.ip_network(f"10.77.{free}.0/24")
+        every = list(itertools.islice(net.hosts(), self.n + 1))
+        self.addrs, self.root_addr = [str(a) for a in every[:self.n]], str(every[self.n])
+        self.prefixlen = net.prefixlen
+        self._up = True
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for name, (sw_if, host_if), addr in zip(self.names, self.links, self.addrs):
+                _ip("netns", "add", name)
+                _ip("link", "add", sw_if, "type", "veth", "peer", "name", host_if, "netns", name)
+                _ip("link", "set", sw_if, "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", sw_if, "master", "br0")
+                _ip("-n", self.switch, "link", "set", sw_if, "up")
+                _ip("-n", name, "addr", "add", f"{addr}/{self.prefixlen}", "dev", host_if)
+                _ip("-n", name, "link", "set", host_if, "up")
+                _ip("-n", name, "link", "set", "lo", "up")
+            if self.root_link:
+                here, sw_if = self.root_link
+                _ip("link", "add", here, "type", "veth", "peer", "name", sw_if, "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", sw_if, "master", "br0")
+                _ip("-n", self.switch, "link", "set", sw_if, "up")
+                _ip("addr", "add", f"{self.root_addr}/{self.prefixlen}", "dev", here)
+                _ip("link", "set", here, "up")
+            for name in self.names:
+                holder = subprocess.Popen(
+                    ["ip", "netns", "exec", name, "unshare", "--pid", "--ipc", "--fork", "--mount-proc",
+                     "--kill-child", "sleep", "infinity"],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                self._holders.append(holder)
+                self._holder_pids.append(_find_child(holder.pid, "sleep"))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def remove(self) -> None:
+        """Kill every process of the hosts, delete namespaces, links and wrappers. Idempotent."""
+        with self._lock:
+            if not self._up:
+                return
+            self._up = False
+        for holder in self._holders:  # its PID namespace, and every process in it, goes too
+            with contextlib.suppress(Exception):
+                holder.kill()
+                holder.wait(5)
+        self._holders.clear()
+        for name in [*self.names, self.switch]:
+            with contextlib.suppress(Exception):
+                _ip("netns", "del", name, check=False)
+        with contextlib.suppress(Exception):
+            if self.root_link and self.root_link[0] in list_links():
+                _ip("link", "del", self.root_link[0], check=False)
+        for path in self._wrappers:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._wrappers.clear()
+
+    def __enter__(self) -> "Hosts":
+        return self.create()
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def command(self, host: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run on host ``host`` (its network, PID, IPC and mount namespaces), in the
+        current directory."""
+        return ["nsenter", "-t", str(self._holder_pids[host]), "-n", "-p", "-i", "-m",
+                f"--wd={os.getcwd()}", "--", *argv]
+
+    def wrapper(self, host: int, python: str | None = None) -> str:
+        """An executable that runs ``python "$@"`` on host ``host``; give it to
+        :func:`multiprocessing.spawn.set_executable` to spawn workers there."""
+        fd, path = tempfile.mkstemp(prefix=f"{self.names[host]}-", suffix=".sh")
+        with os.fdopen(fd, "w") as f:
+            f.write("#!/bin/sh\nexec " + shlex.join(self.command(host, [python or sys.executable])) + ' "$@"\n')
+        os.chmod(path, 0o700)
+        self._wrappers.append(path)
+        return path
+
+    def __repr__(self) -> str:
+        return f"<Hosts {self.n} on {self.switch}: {', '.join(self.addrs)}/{self.prefixlen}>"

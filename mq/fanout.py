@@ -1,0 +1,479 @@
+"""Fan-out across hosts: one transfer per host, not one per subscriber.
+
+``publish`` of a large frame (inline bytes >= ``relay_min_bytes``) groups its subscribers by
+shared-memory domain (:meth:`mq.core.MQ.host_of`). Subscribers on this node's own domain, and
+those whose domain is unknown, get the frame directly (same-host ones share one shm copy). For
+every other domain with subscribers, one of them (the lowest node id) is its **relay**: it gets
+the frame once, over its own link, as a RELAY frame carrying a *plan*, the subscribers it must
+forward to. The relay delivers the message to itself, then forwards it to its plan through its
+own pool (one copy into shm on that host, descriptors to its neighbours).
+
+Plans nest, so hosts can form a tree instead of a star (``relay_shape``):
+
+- ``star``: the publisher sends to every relay itself (its link carries one copy per host);
+- ``tree`` (default): a binomial tree over the relays: the publisher sends to the first relay,
+  which forwards to half of the remaining hosts while the publisher serves the other half, so
+  with H remote hosts the publisher's link carries about log2(H + 1) copies, and the copies
+  travel over different links at the same time.
+
+Wire format: kind RELAY (:mod:`mq.codec`), envelope as for MSG (same topic, the sender is the
+node that sent this hop). Its msgpack tree is ``[meta, payload]``: the publisher builds it by
+prefixing its MSG frame's tree, so the payload's out-of-band buffers are the same objects and
+nothing is copied or encoded twice. ``meta`` is either
+
+    {"o": origin node id, "id": hop id, "to": plan, "t": seconds left, "at": origin send time}
+    {"ack": hop id, "failed": {node id: [cause, why]}}     (payload None)
+
+where ``plan`` is a list of entries, each a node id (a leaf: deliver, forward nothing) or
+``[relay id, plan]``. Every RELAY hop is answered by one ack from its receiver, sent once the
+receiver and its whole subtree have the message in their queues (or failed).
+
+Trust. A relayed message reaches the user as ``Message(topic, payload, sender=origin)``.
+RELAY frames are taken only on authenticated links (core drops anything else first), so a
+relay is always a member that proved the job secret. A receiver accepts origin ``o`` from link
+peer ``L`` only when ``o == L`` (the first hop), or ``o`` is a live authenticated peer of the
+receiver other than itself (a later hop). So a member can make a message appear to come from
+another *member*, never from an outsider, an unknown id or the receiver itself; membership is the
+trust boundary, as it already is for joining (any member could join under any free id).
+Signing payloads end to end would prevent even that, at the cost of hashing every byte on every
+host (about as slow as the transfer itself here), so it is not done. Refusals are counted in
+``stats().rejected`` (``relay_origin``, ``relay_plan``).
+
+Ordering (per sender->receiver, as for direct sends). ``publish`` returns only after every
+relayed subscriber confirmed the message is in its queue (the ack chain), so nothing the
+publisher sends afterwards, by any path, can overtake it. Before relaying, the publisher also
+waits until every subscriber it reaches through someone else confirmed what was sent to it
+directly so far (a receipt ping, as ``flush`` does, only for peers with unconfirmed frames), so
+the relayed message cannot overtake earlier direct ones either. A relay delivers to itself on
+its I/O thread, in order with the other frames of the publisher's link, and forwards from one
+worker thread, in arrival order.
+
+Failure. A relay that dies (link lost, or silent past ``peer_timeout``) fails the publisher's
+wait at once with :class:`~mq.errors.PeerLost` naming the relay and the subscribers behind it:
+they may or may not have the message, and mq does not guess (a retry could deliver twice). A
+subscriber lost behind a live relay is reported the same way. A subscriber the relay cannot
+reach (not its peer) is skipped by the relay and sent directly by the publisher. No answer
+within the publish timeout is :class:`~mq.errors.Timeout`. ``publish`` raises after trying every
+subscriber, so one dead host does not stop delivery to the others.
+
+Backpressure. A relay forwards through its pool and its neighbours' queues; when they are full
+its ack waits, so the publisher waits, up to its timeout, as with direct sends. Forward jobs
+queue at most ``_JOBS`` deep; beyond that the relay's I/O thread stops reading the publisher's
+link.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from mq.codec import MSG, RELAY, VERSION, Frame
+from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
+
+if TYPE_CHECKING:
+    from mq.core import MQ, Message
+
+log = logging.getLogger("mq.fanout")
+
+__all__ = ["DEFAULT_RELAY_MIN_BYTES", "RELAY_SHAPES", "Fanout", "tree_plan"]
+
+DEFAULT_RELAY_MIN_BYTES = 1 << 20
+RELAY_SHAPES = ("tree", "star")
+_JOBS = 8  # forward jobs a relay queues before it stops reading
+_MAX_PLAN = 4096  # entries in one plan, all levels together
+_MAX_DEPTH = 16
+_ACK_TIMEOUT_S = 5.0  # sending an ack (a tiny frame)
+
+Plan = list  # of int | [int, Plan]
+
+
+def tree_plan(groups: list[list[int]], shape: str = "tree") -> Plan:
+    """The plan for ``groups`` (one list of node ids per remote host; the first id of each is
+    its relay, the others its neighbours).
+
+    >>> tree_plan([[1, 2], [3, 4], [5, 6]], "star")
+    [[1, [2]], [3, [4]], [5, [6]]]
+    >>> tree_plan([[1, 2], [3, 4], [5, 6]], "tree")
+    [[1, [2, [3, [4]]]], [5, [6]]]
+    """
+    def node(group: list[int], below: Plan) -> list[Any]:
+        return [group[0], list(group[1:]) + below]
+
+    if shape == "star":
+        return [node(g, []) for g in groups]
+
+    def build(gs: list[list[int]]) -> Plan:
+        # Send first to the relay that serves the larger half, then serve the rest ourselves.
+        if not gs:
+            return []
+        half = (len(gs) + 1) // 2
+        return [node(gs[0], build(gs[1:half]))] + build(gs[half:])
+
+    return build(groups)
+
+
+def plan_ids(plan: Plan) -> list[int]:
+    """Every node id a plan reaches."""
+    out: list[int] = []
+    for entry in plan:
+        if isinstance(entry, int):
+            out.append(entry)
+        else:
+            out.append(entry[0])
+            out.extend(plan_ids(entry[1]))
+    return out
+
+
+def _valid_plan(plan: Any, depth: int = 0, count: list[int] | None = None) -> bool:
+    count = [0] if count is None else count
+    if not isinstance(plan, list) or depth > _MAX_DEPTH:
+        return False
+    for entry in plan:
+        count[0] += 1
+        if count[0] > _MAX_PLAN:
+            return False
+        if type(entry) is int:
+            continue
+        if not (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int
+                and _valid_plan(entry[1], depth + 1, count)):
+            return False
+    return True
+
+
+def _splice(meta: dict[str, Any], tree: bytes) -> bytes:
+    """The msgpack array ``[meta, payload]`` from ``payload``'s encoded tree (no re-encoding)."""
+    return b"\x92" + msgpack.packb(meta, use_bin_type=True) + tree
+
+
+class _Failed(dict):
+    """node id -> (cause, why); cause ``skipped`` means it was never sent (safe to send again),
+    ``lost`` / ``timeout`` / ``error`` that nobody knows whether it arrived."""
+
+    def add(self, ids: list[int], cause: str, why: str) -> None:
+        for i in ids:
+            self.setdefault(i, (cause, why))
+
+
+class Fanout:
+    """The relay logic of one node (core holds one; see the module docstring).
+
+    Args:
+        node: the :class:`mq.core.MQ` it works for.
+        min_bytes: frames with fewer inline bytes are never relayed; None turns relaying off.
+        shape: ``tree`` or ``star`` (see the module docstring).
+    """
+
+    def __init__(self, node: "MQ", min_bytes: int | None = DEFAULT_RELAY_MIN_BYTES, shape: str = "tree"):
+        if min_bytes is not None and (type(min_bytes) is not int or min_bytes < 1):
+            raise ConfigError(f"relay_min_bytes must be an int >= 1 (bytes) or None (never relay), got {min_bytes!r}")
+        if shape not in RELAY_SHAPES:
+            raise ConfigError(f"relay_shape must be one of {', '.join(RELAY_SHAPES)}, got {shape!r}")
+        self.node = node
+        self.min_bytes = min_bytes
+        self.shape = shape
+        self.stats = {"relayed": 0, "forwarded": 0, "acks": 0, "fallback_direct": 0}
+        self._ids = itertools.count(1)
+        self._acks: dict[tuple[int, int], dict[int, tuple[str, str]] | None] = {}
+        self._unreachable: set[tuple[int, int]] = set()  # (relay, node) it said it cannot reach
+        self._jobs: queue.Queue = queue.Queue(_JOBS)
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ publisher side
+    def plan(self, targets: list[int], frame: Frame) -> tuple[list[int], Plan] | None:
+        """(direct targets, relay plan) for a publish, or None when relaying does not pay."""
+        node = self.node
+        if self.min_bytes is None or frame.kind != MSG or frame.nbytes < self.min_bytes:
+            return None
+        if node.transport.keeps_tensors:  # torch RPC moves tensors itself (and across devices)
+            return None
+        mine = node.host_of(node.node_id)
+        by_host: dict[str, list[int]] = {}
+        direct = []
+        for t in targets:
+            h = node.host_of(t)
+            if h is None or h == mine:
+                direct.append(t)
+            else:
+                by_host.setdefault(h, []).append(t)
+        groups = []
+        for ids in by_host.values():
+            relay = ids[0]
+            rest = [i for i in ids[1:] if (relay, i) not in self._unreachable]
+            direct += [i for i in ids[1:] if (relay, i) in self._unreachable]
+            groups.append([relay] + rest)
+        # A lone subscriber gains nothing from a star; in a tree it can still carry other hosts.
+        if self.shape == "star":
+            direct += [g[0] for g in groups if len(g) == 1]
+            groups = [g for g in groups if len(g) > 1]
+        if not groups or (len(groups) == 1 and len(groups[0]) == 1):
+            return None
+        return sorted(direct), tree_plan(groups, self.shape)
+
+    def publish(self, targets: list[int], frame: Frame, deadline: float) -> bool:
+        """Publish ``frame`` to ``targets`` through relays; False (nothing sent) when a plain
+        send to each is the better way. Raises like ``publish`` once every target was tried."""
+        planned = self.plan(targets, frame)
+        if planned is None:
+            return False
+        direct, plan = planned
+        node = self.node
+        relayed = [i for i in plan_ids(plan) if i not in {e[0] for e in plan}]
+        self._confirm_direct(relayed, deadline)  # nothing sent earlier may be overtaken
+        errors: list[MQError] = []
+        failed = self._forward(frame.head[2], frame.head[6], frame.buffers, node.node_id,
+                               frame.head[9], plan, deadline, first_hop=frame)
+        self.stats["relayed"] += 1
+        skipped = [i for i, (cause, _) in failed.items() if cause == "skipped"]
+        for i in skipped:
+            del failed[i]
+        direct += skipped
+        if skipped:
+            self.stats["fallback_direct"] += len(skipped)
+        if direct:
+            try:
+                node._deliver_to(sorted(direct), frame, deadline)
+            except MQError as exc:
+                errors.append(exc)
+        if failed:
+            errors.append(_error_for(frame.head[2], failed))
+        if errors:
+            raise errors[0]
+        return True
+
+    def _confirm_direct(self, peers: list[int], deadline: float) -> None:
+        """Wait until each of ``peers`` confirmed every frame we sent it directly (only those
+        with unconfirmed frames get a receipt ping)."""
+        node = self.node
+        wanted = {}
+        for peer in peers:
+            p = node._peers.get(peer)
+            if p is not None and not p.lost and p.tx > p.acked:
+                wanted[peer] = p.tx
+                node._ping(peer, want=True, timeout=max(0.0, deadline - time.monotonic()))
+        if not wanted:
+            return
+
+        def done() -> bool:
+            return all(node._peers[i].acked >= tx or node._peers[i].lost for i, tx in wanted.items())
+
+        node._wait(done, max(0.0, deadline - time.monotonic()),
+                   lambda: f"subscribers {sorted(wanted)} did not confirm earlier messages in time")
+
+    # ------------------------------------------------------------------ both sides
+    def _forward(self, topic: str, tree: bytes, buffers: list[Any], origin: int, sent_at: float,
+                 plan: Plan, deadline: float, first_hop: Frame | None = None) -> _Failed:
+        """Send one hop to every entry of ``plan`` and wait for their acks. Leaves (ints) share
+        one frame, so same-host leaves share one shm copy. Returns who failed and why."""
+        node = self.node
+        failed = _Failed()
+        hop = next(self._ids)
+        sends: list[tuple[list[int], Plan]] = []
+        leaves = []
+        for entry in plan:
+            peer, below = (entry, []) if isinstance(entry, int) else (entry[0], entry[1])
+            p = node._peers.get(peer)
+            if peer == node.node_id or p is None or p.lost:
+                why = f"node {peer} is not a live peer of relay node {node.node_id}"
+                failed.add([peer], "skipped", why)
+                failed.add(plan_ids(below), "skipped", f"its relay: {why}")
+                continue
+            if below:
+                sends.append(([peer], below))
+            else:
+                leaves.append(peer)
+        if leaves:
+            sends.append((leaves, []))
+        waiting: list[tuple[int, list[int]]] = []  # (peer, the ids its ack covers)
+        left = max(0.0, deadline - time.monotonic())
+        for peers, below in sends:
+            meta = {"o": origin, "id": hop, "to": below, "t": left, "at": sent_at}
+            frame = self._hop_frame(topic, meta, tree, buffers, sent_at, first_hop)
+            with node._peers_changed:
+                for peer in peers:
+                    self._acks[(peer, hop)] = None
+            try:
+                node._deliver_to(peers, frame, deadline)
+            except MQError as exc:
+                # _deliver_to stops at the first failure: peers after it were not sent to, but
+                # which ones is not known here, so none of them is "skipped".
+                with node._peers_changed:
+                    for peer in peers:
+                        self._acks.pop((peer, hop), None)
+                failed.add([i for peer in peers for i in [peer] + plan_ids(below)],
+                           "lost" if isinstance(exc, PeerLost) else "error", str(exc))
+                continue
+            self.stats["forwarded"] += len(peers)
+            waiting += [(peer, [peer] + plan_ids(below)) for peer in peers]
+        self._wait_acks(hop, waiting, deadline, failed)
+        return failed
+
+    def _hop_frame(self, topic: str, meta: dict[str, Any], tree: bytes, buffers: list[Any],
+                   sent_at: float, like: Frame | None) -> Frame:
+        node = self.node
+        spliced = _splice(meta, tree)
+        if like is not None:  # the publisher's MSG frame: same buffers, same sizes
+            head = [VERSION, RELAY, topic, node.node_id, like.head[4], 0, spliced, like.sizes, None, sent_at]
+            return Frame(RELAY, head, like.buffers, like.sizes)
+        built = Frame.build(RELAY, topic, node.node_id, next(node._seq), 0, spliced, buffers)
+        return Frame(RELAY, built.head[:9] + [sent_at], built.buffers, built.sizes)
+
+    def _wait_acks(self, hop: int, waiting: list[tuple[int, list[int]]], deadline: float,
+                   failed: _Failed) -> None:
+        node = self.node
+        pending = dict(waiting)
+
+        def done() -> bool:
+            for peer, covers in list(pending.items()):
+                result = self._acks.get((peer, hop))
+                p = node._peers.get(peer)
+                if result is not None:
+                    for i, (cause, why) in result.items():
+                        failed.add([i], cause, why)
+                elif p is None or p.lost:
+                    why = f"relay node {peer} {p.lost if p else 'left'}"
+                    failed.add(covers, "lost", why)
+                else:
+                    continue
+                del pending[peer]
+                self._acks.pop((peer, hop), None)
+            return not pending
+
+        try:
+            node._wait(done, max(0.0, deadline - time.monotonic()), lambda: "")
+        except (Timeout, ClosedError) as exc:
+            cause = "timeout" if isinstance(exc, Timeout) else "error"
+            for peer, covers in pending.items():
+                failed.add(covers, cause, f"node {peer} did not confirm in time" if cause == "timeout"
+                           else str(exc))
+        finally:
+            with node._peers_changed:
+                for peer in pending:
+                    self._acks.pop((peer, hop), None)
+
+    # ------------------------------------------------------------------ receiving side
+    def on_frame(self, env: Any) -> None:
+        """A RELAY frame from an authenticated peer (core's I/O thread): an ack for one of our
+        hops, or a message to deliver here and maybe forward."""
+        node = self.node
+        body = env.payload
+        meta = body[0] if isinstance(body, list) and len(body) == 2 and isinstance(body[0], dict) else None
+        if meta is None:
+            node._reject("relay_plan", f"a malformed RELAY frame from node {env.sender}")
+            return
+        if "ack" in meta:
+            self._on_ack(env.sender, meta)
+            return
+        origin, hop, plan = meta.get("o"), meta.get("id"), meta.get("to", [])
+        if type(origin) is not int or type(hop) is not int or not _valid_plan(plan):
+            node._reject("relay_plan", f"a RELAY frame with a bad plan from node {env.sender}")
+            return
+        if origin != env.sender:
+            p = node._peers.get(origin)
+            if origin == node.node_id or p is None or p.lost:
+                node._reject("relay_origin", f"node {env.sender} relayed a message claiming node "
+                             f"{origin}, which is not a live peer here")
+                self._send_ack(env.sender, hop, _Failed())  # do not leave it waiting
+                return
+        sent_at = meta.get("at") if isinstance(meta.get("at"), float) else env.sent_at
+        self._deliver_here(env.topic, body[1], origin, sent_at, env.nbytes)
+        if not plan:
+            self._send_ack(env.sender, hop, _Failed())
+            return
+        left = meta.get("t") if isinstance(meta.get("t"), (int, float)) else node.timeout
+        job = (env.sender, hop, env.topic, body[1], origin, sent_at, plan,
+               time.monotonic() + min(max(0.0, float(left)), node.timeout))
+        while True:  # a full job queue stops this I/O thread: backpressure on the sender
+            try:
+                self._jobs.put(job, timeout=0.2)
+                break
+            except queue.Full:
+                node._stalled_until = time.monotonic() + node.peer_timeout
+                if node._state != "listening":
+                    return
+        self._start_worker()
+
+    def _deliver_here(self, topic: str, payload: Any, origin: int, sent_at: float, nbytes: int) -> None:
+        # Core's MSG delivery, with the origin as sender (not counted as a frame of its link).
+        from mq.core import Message
+
+        node = self.node
+        node._metrics.received(topic, nbytes)
+        msg: Message = Message(topic, payload, origin, sent_at)
+        with node._lock:
+            fn = node._subscriptions.get(topic)
+        if fn is not None:
+            node._put_blocking(node._handler_queue, (fn, msg), nbytes)
+        else:
+            node._put_blocking(node._inbox, msg, nbytes)
+
+    def _on_ack(self, sender: int, meta: dict[str, Any]) -> None:
+        node = self.node
+        raw = meta.get("failed")
+        failed: dict[int, tuple[str, str]] = {}
+        if isinstance(raw, dict):
+            for k, v in raw.items():
+                if type(k) is int and isinstance(v, list) and len(v) == 2:
+                    failed[k] = (str(v[0]), str(v[1]))
+        with node._peers_changed:
+            key = (sender, meta.get("ack"))
+            if key not in self._acks:
+                node._stats.dropped_unexpected_reply += 1  # after its publish gave up
+                return
+            self._acks[key] = failed  # type: ignore[index]
+            for i, (cause, _) in failed.items():
+                if cause == "skipped":
+                    self._unreachable.add((sender, i))
+            self.stats["acks"] += 1
+            node._peers_changed.notify_all()
+
+    def _send_ack(self, peer: int, hop: int, failed: _Failed) -> None:
+        node = self.node
+        meta = {"ack": hop, "failed": {i: list(v) for i, v in failed.items()}}
+        try:
+            node._deliver_to([peer], node._encode(RELAY, "", [meta, None]), time.monotonic() + _ACK_TIMEOUT_S)
+        except MQError as exc:
+            log.warning("node %d: could not confirm a relayed message to node %d: %s", node.node_id, peer, exc)
+
+    def _start_worker(self) -> None:
+        with self._lock:
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._work, daemon=True,
+                                                 name=f"mq{self.node.node_id}-relay")
+                self._worker.start()
+
+    def _work(self) -> None:
+        node = self.node
+        while node._state in ("new", "listening"):
+            try:
+                upstream, hop, topic, payload, origin, sent_at, plan, deadline = self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                tree, buffers = node.codec.pack(payload)
+                del payload
+                failed = self._forward(topic, tree, buffers, origin, sent_at, plan, deadline)
+            except Exception as exc:  # never leave the upstream waiting for an ack
+                log.exception("node %d: relaying for node %d failed", node.node_id, origin)
+                failed = _Failed()
+                failed.add(plan_ids(plan), "error", f"relay node {node.node_id}: {type(exc).__name__}: {exc}")
+            tree = buffers = None  # type: ignore[assignment]
+            self._send_ack(upstream, hop, failed)
+
+
+def _error_for(topic: str, failed: dict[int, tuple[str, str]]) -> MQError:
+    ids = sorted(failed)
+    first = failed[ids[0]][1]
+    text = (f"publish {topic!r}: subscribers {ids} did not confirm the message ({first}); "
+            "they may or may not have it")
+    if any(cause == "lost" for cause, _ in failed.values()):
+        return PeerLost(text)
+    if all(cause == "timeout" for cause, _ in failed.values()):
+        return Timeout(text + "; pass timeout= to wait longer")
+    return MQError(text)

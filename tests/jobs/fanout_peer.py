@@ -1,0 +1,45 @@
+"""A fan-out subscriber for tests: `python -m tests.jobs.fanout_peer NODE_ID LISTEN MODE ATTACH...`.
+
+It subscribes to "w" and reports every message to node 0 on topic "got": [sender, kind, value]
+(kind "array": value is [nbytes, checksum]; else the payload itself). Modes: ``ok``; ``stall``
+(a one-message queue it never reads: its senders block once the first message is in).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import mq
+
+
+def main() -> None:
+    node_id, listen, mode, attach = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+    if os.environ.get("MQ_TEST_LOG"):
+        import logging
+
+        logging.basicConfig(level=os.environ["MQ_TEST_LOG"], format=f"[{node_id}] %(message)s")
+    options = {"queue_size": 1} if mode == "stall" else {}
+    q = mq.create("nng", node_id, "sub", listen_to=listen, attach_to=attach, timeout=20, **options)
+    with q:
+        if mode != "stall":
+            def report(m: mq.Message) -> None:
+                if isinstance(m.payload, np.ndarray):
+                    value = ["array", [int(m.payload.nbytes), int(m.payload[::4099].sum())]]
+                else:
+                    value = ["other", m.payload]
+                q.send(0, "got", [m.sender] + value, timeout=20)
+
+            q.subscribe("w", report)
+        else:
+            q.subscribe("w")
+        q.wait_for_peers(int(os.environ.get("MQ_TEST_PEERS", "1")), timeout=30)
+        print("ready", flush=True)
+        time.sleep(600)  # the test stops or SIGKILLs us
+
+
+if __name__ == "__main__":
+    main()
