@@ -100,7 +100,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable, List, Mapping
+from typing import Any, Iterable, List, Mapping, Tuple
 
 import msgpack
 import numpy as np
@@ -132,12 +132,24 @@ def _deliver_impl(sender: int, seq: int, ack: int, header: torch.Tensor,
     return node._on_rpc(sender, seq, ack, header, buffers)
 
 
+def _request_impl(sender: int, header: torch.Tensor,
+                  buffers: List[torch.Tensor]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Python kernel of ``mq::request``: runs on a TensorPipe worker thread of the server."""
+    node = _ACTIVE
+    if node is None:
+        raise RuntimeError("mq: no torchrpc queue is listening in this process (it stopped)")
+    return node._on_request_rpc(sender, header, buffers)
+
+
 def _define_op() -> Any:
     lib = torch.library.Library("mq", "DEF")
     # CONSERVATIVE: the op has side effects; TorchScript must never drop or reorder the call.
     lib.define("deliver(int sender, int seq, int ack, Tensor header, Tensor[] buffers) -> int",
                alias_analysis="CONSERVATIVE")
     lib.impl("deliver", _deliver_impl, "CompositeExplicitAutograd")
+    lib.define("request(int sender, Tensor header, Tensor[] buffers) -> (Tensor, Tensor[])",
+               alias_analysis="CONSERVATIVE")
+    lib.impl("request", _request_impl, "CompositeExplicitAutograd")
     return lib
 
 
@@ -149,9 +161,20 @@ def _deliver_script(sender: int, seq: int, ack: int, header: torch.Tensor,
     return torch.ops.mq.deliver(sender, seq, ack, header, buffers)
 
 
+def _request_script(sender: int, header: torch.Tensor,
+                    buffers: List[torch.Tensor]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    return torch.ops.mq.request(sender, header, buffers)
+
+
 with warnings.catch_warnings():  # torch.jit.script is deprecated in 2.x but still what RPC runs
     warnings.simplefilter("ignore")
     _deliver_script = torch.jit.script(_deliver_script)  # type: ignore[assignment]
+    _request_script = torch.jit.script(_request_script)  # type: ignore[assignment]
+
+# The text of the RPC error a server raises for a request it refused (not a broken link).
+_NOT_SERVED = "mq: request not served"
+# torch's RPC timeout error (rpc_agent.h kRpcTimeoutErrorStr), not a broken link either.
+_RPC_TIMED_OUT = "ran for more than set timeout"
 
 
 # ---------------------------------------------------------------------- per-process agent
@@ -197,6 +220,7 @@ class _Link:
         self.sizes: collections.deque[tuple[int, int]] = collections.deque()  # (seq, nbytes) unacked
         self.bytes = 0
         self.pending = 0  # RPCs not yet answered
+        self.requests: set[threading.Event] = set()  # callers waiting on a request's answer
         self.want_out = False
         self.want_acked = -1
         self.want_t = 0.0
@@ -309,6 +333,15 @@ class TorchRpcTransport(Transport):
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ConfigError(f"num_worker_threads must be an int >= 1, got {num_worker_threads!r}")
         self.num_worker_threads = num_worker_threads
+        # TensorPipe runs every incoming RPC (frames, credit, heartbeats, requests) on one pool
+        # of num_worker_threads threads. A frame's op parks it and returns; a request's op runs
+        # the user's handler and holds its thread until the handler returns. So requests may
+        # hold at most half the pool: the other half stays free for frames and heartbeats, and a
+        # slow handler never starves the links (a peer whose heartbeats go unread is declared
+        # lost). A request past the bound is answered "not taken" and its caller sends it as an
+        # ordinary frame, served by core's handler pool. One thread: no requests at all.
+        self._request_slots = threading.BoundedSemaphore(max(1, num_worker_threads // 2))
+        self.answers_requests = num_worker_threads >= 2
         if not isinstance(send_window, int) or send_window < 1:
             raise ConfigError(f"send_window must be an int >= 1, got {send_window!r}")
         if not isinstance(send_window_bytes, int) or send_window_bytes < 1:
@@ -526,6 +559,7 @@ class TorchRpcTransport(Transport):
         for link in self._links.values():
             with link.cond:
                 link.cond.notify_all()
+                _wake(link.requests)
         if self._rx_thread is not None and self._rx_thread is not threading.current_thread():
             self._rx_thread.join(max(0.0, min(0.5, deadline - time.monotonic())))
         if not self._rpc_started:
@@ -561,8 +595,9 @@ class TorchRpcTransport(Transport):
                 _ACTIVE = None
 
     # ------------------------------------------------------------------ sending
-    def _tensors(self, frame: Frame) -> _Outgoing:
-        """The frame as RPC tensors, converted once per frame (publish shares it)."""
+    def _tensors(self, frame: Frame, borrow: bool = False) -> _Outgoing:
+        """The frame as RPC tensors, converted once per frame (publish shares it). ``borrow``:
+        never copy the caller's buffers (it waits until the peer has them anyway)."""
         out = frame.layout.get("torchrpc")
         if out is not None:
             return out
@@ -571,7 +606,7 @@ class TorchRpcTransport(Transport):
         raw = frame.buffers
         shared = sum(_nbytes(b) for b in raw if isinstance(b, (np.ndarray, torch.Tensor))
                      and not (staged and isinstance(b, torch.Tensor) and b.device.type != "cpu"))
-        copy = shared <= self.copy_threshold
+        copy = not borrow and shared <= self.copy_threshold
         buffers: list[torch.Tensor] = []
         for b in raw:
             if isinstance(b, torch.Tensor):
@@ -674,6 +709,93 @@ class TorchRpcTransport(Transport):
             raise err
         return err
 
+    # ------------------------------------------------------------------ requests
+    def request(self, peer: int, frame: Frame, timeout: float) -> tuple[Any, list[Any]] | None:
+        """One RPC of :func:`_request_script` whose return value is the reply frame (see the
+        module docstring); the caller waits on it, woken at once when the link is lost."""
+        from torch.distributed import rpc
+
+        link = self._links.get(peer)
+        if link is None:
+            raise PeerLost(f"node {peer} is not in this torch RPC group (world_size={self.world_size})")
+        out = self._tensors(frame, borrow=True)  # we wait for the answer: the peer has them then
+        buffers = self._buffers_for(peer, out)
+        answered = threading.Event()
+        with link.cond:
+            if self._closed:
+                raise ClosedError("the queue was stopped")
+            if link.failed:
+                raise PeerLost(f"node {peer} {link.failed}")
+            link.requests.add(answered)
+        try:
+            try:
+                fut = rpc.rpc_async(link.info, _request_script, args=(self.node_id, out.header, buffers),
+                                    timeout=timeout)
+            except Exception as exc:
+                if self._closed:
+                    raise ClosedError("the queue was stopped") from None
+                raise PeerLost(f"node {peer}: torch RPC refused the request: {_short(exc)}") from exc
+            fut.add_done_callback(lambda _f: answered.set())
+            # torch fails the RPC itself after `timeout`; the extra second only guards that.
+            if not answered.wait(timeout + 1.0) and not fut.done():
+                raise Timeout(f"node {peer} did not answer within {timeout:g}s")
+        finally:
+            with link.cond:
+                link.requests.discard(answered)
+        if not fut.done():  # woken by disconnect() or close()
+            if link.failed:
+                raise PeerLost(f"node {peer} {link.failed}")
+            raise ClosedError("the queue was stopped while a request was in flight")
+        try:
+            header, reply = fut.value()
+        except Exception as exc:
+            text = str(exc)
+            if _NOT_SERVED in text:
+                raise ProtocolError(f"node {peer} did not serve the request: {_short(exc)}") from None
+            if _RPC_TIMED_OUT in text:
+                raise Timeout(f"node {peer} did not answer within {timeout:g}s") from None
+            self._link_failed(link, exc)
+            raise PeerLost(f"node {peer} {link.failed}") from None
+        if header.numel() == 0:
+            return None  # not taken as a request: send it as a frame
+        if any(t.device.type == "cuda" for t in reply):
+            _settle_cuda(reply)
+        return self._frame_parts(header, reply)
+
+    def _on_request_rpc(self, sender: Any, header: torch.Tensor,
+                        buffers: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A request arrived (TensorPipe thread): serve it here and return the reply frame's
+        tensors, or an empty header for "not taken, send it as a frame"."""
+        node = self._node
+        if node is None or not isinstance(sender, int) or sender not in self._inbound:
+            if node is not None:
+                node.on_dropped(f"a request from node {sender!r}, not in this RPC group")
+            raise RuntimeError(f"{_NOT_SERVED}: node {self.node_id} got a request from node "
+                               f"{sender!r}, which is not a peer in this group of {self.world_size}")
+        if self._closing or not self._request_slots.acquire(blocking=False):
+            return _EMPTY, []
+        try:
+            if any(t.device.type == "cuda" for t in buffers):
+                _settle_cuda(buffers)
+            try:
+                head, views = self._frame_parts(header, buffers)
+            except ProtocolError as exc:
+                node.on_dropped(f"a request from node {sender}: {exc}")
+                raise RuntimeError(f"{_NOT_SERVED}: {exc}") from None
+            try:
+                reply = node.on_request(head, views, ("rank", sender))
+            except ProtocolError as exc:
+                raise RuntimeError(f"{_NOT_SERVED}: {exc}") from None
+            except Exception as exc:  # never let a bug look like a broken link to the caller
+                log.exception("node %d: error serving a request from node %d", self.node_id, sender)
+                raise RuntimeError(f"{_NOT_SERVED}: {type(exc).__name__}") from None
+            if reply is None:
+                return _EMPTY, []
+            out = self._tensors(reply)  # the copy rules of send: the handler's result may change
+            return out.header, self._buffers_for(sender, out)
+        finally:
+            self._request_slots.release()
+
     def _on_reply(self, link: _Link, fut: Any) -> None:
         try:
             consumed = fut.value()
@@ -691,6 +813,7 @@ class TorchRpcTransport(Transport):
             with link.cond:  # blocked senders wake with PeerLost (the RPC group is static)
                 link.failed = link.failed or "was lost"
                 link.cond.notify_all()
+                _wake(link.requests)
 
     def _link_failed(self, link: _Link, exc: BaseException) -> None:
         with link.cond:
@@ -698,6 +821,7 @@ class TorchRpcTransport(Transport):
                 return
             link.failed = f"is unreachable (torch RPC: {_short(exc)})"
             link.cond.notify_all()
+            _wake(link.requests)
         if not self._closing and self._node is not None:
             self._node.on_link_lost(link.peer, link.failed)
 
@@ -824,6 +948,11 @@ class TorchRpcTransport(Transport):
         views = [t.numpy() if t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 1 else t
                  for t in buffers]
         return header.numpy(), views
+
+
+def _wake(waiters: set[threading.Event]) -> None:
+    for event in waiters:
+        event.set()
 
 
 def _is_loopback(host: str) -> bool:
