@@ -237,7 +237,7 @@ class _Link:
         self.sizes: collections.deque[tuple[int, int]] = collections.deque()  # (seq, nbytes) unacked
         self.bytes = 0
         self.pending = 0  # RPCs not yet answered
-        self.requests: set[threading.Event] = set()  # callers waiting on a request's answer
+        self.requests: set[Any] = set()  # locks callers of request() wait on (see _wake)
         self.want_out = False
         self.want_acked = -1
         self.want_t = 0.0
@@ -357,7 +357,9 @@ class TorchRpcTransport(Transport):
         # slow handler never starves the links (a peer whose heartbeats go unread is declared
         # lost). A request past the bound is answered "not taken" and its caller sends it as an
         # ordinary frame, served by core's handler pool. One thread: no requests at all.
-        self._request_slots = threading.BoundedSemaphore(max(1, num_worker_threads // 2))
+        self._request_limit = max(1, num_worker_threads // 2)
+        self._requests_running = 0
+        self._request_lock = threading.Lock()
         self.answers_requests = num_worker_threads >= 2
         if not isinstance(send_window, int) or send_window < 1:
             raise ConfigError(f"send_window must be an int >= 1, got {send_window!r}")
@@ -742,7 +744,8 @@ class TorchRpcTransport(Transport):
             raise PeerLost(f"node {peer} is not in this torch RPC group (world_size={self.world_size})")
         out = self._tensors(frame, borrow=True)  # we wait for the answer: the peer has them then
         buffers = self._buffers_for(peer, out)
-        answered = threading.Event()
+        answered = threading.Lock()  # released by the answer, or by _wake (lost link, close)
+        answered.acquire()
         with link.cond:
             if self._closed:
                 raise ClosedError("the queue was stopped")
@@ -757,9 +760,9 @@ class TorchRpcTransport(Transport):
                 if self._closed:
                     raise ClosedError("the queue was stopped") from None
                 raise PeerLost(f"node {peer}: torch RPC refused the request: {_short(exc)}") from exc
-            fut.add_done_callback(lambda _f: answered.set())
+            fut.add_done_callback(lambda _f: _release(answered))
             # torch fails the RPC itself after `timeout`; the extra second only guards that.
-            if not answered.wait(timeout + 1.0) and not fut.done():
+            if not answered.acquire(timeout=timeout + 1.0) and not fut.done():
                 raise Timeout(f"node {peer} did not answer within {timeout:g}s")
         finally:
             with link.cond:
@@ -780,7 +783,7 @@ class TorchRpcTransport(Transport):
             raise PeerLost(f"node {peer} {link.failed}") from None
         if not text:
             return None  # not taken as a request: send it as a frame
-        if any(t.device.type == "cuda" for t in reply):
+        if reply and any(t.is_cuda for t in reply):
             _settle_cuda(reply)
         return self._frame_parts(text, reply)
 
@@ -794,10 +797,12 @@ class TorchRpcTransport(Transport):
                 node.on_dropped(f"a request from node {sender!r}, not in this RPC group")
             raise RuntimeError(f"{_NOT_SERVED}: node {self.node_id} got a request from node "
                                f"{sender!r}, which is not a peer in this group of {self.world_size}")
-        if self._closing or not self._request_slots.acquire(blocking=False):
-            return "", []
+        with self._request_lock:
+            if self._closing or self._requests_running >= self._request_limit:
+                return "", []
+            self._requests_running += 1
         try:
-            if any(t.device.type == "cuda" for t in buffers):
+            if buffers and any(t.is_cuda for t in buffers):
                 _settle_cuda(buffers)
             try:
                 head, views = self._frame_parts(text, buffers)
@@ -813,10 +818,14 @@ class TorchRpcTransport(Transport):
                 raise RuntimeError(f"{_NOT_SERVED}: {type(exc).__name__}") from None
             if reply is None:
                 return "", []
+            text = _inline_text(reply)
+            if text is not None:
+                return text, []
             out = self._tensors(reply)  # the copy rules of send: the handler's result may change
             return out.text, self._buffers_for(sender, out)
         finally:
-            self._request_slots.release()
+            with self._request_lock:
+                self._requests_running -= 1
 
     def _on_reply(self, link: _Link, fut: Any) -> None:
         try:
@@ -999,9 +1008,16 @@ def _inline_text(frame: Frame) -> str | None:
     return out.decode("latin-1")
 
 
-def _wake(waiters: set[threading.Event]) -> None:
-    for event in waiters:
-        event.set()
+def _wake(waiters: set[Any]) -> None:
+    for lock in waiters:
+        _release(lock)
+
+
+def _release(lock: Any) -> None:
+    try:
+        lock.release()
+    except RuntimeError:  # released already: answered and woken both
+        pass
 
 
 def _is_loopback(host: str) -> bool:
