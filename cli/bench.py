@@ -24,7 +24,7 @@ STREAM_SIZE = 256  # bytes per stream message when --sizes is not given: 64 floa
 MB = 1 << 20
 # The suite's modes besides round trip stop at these sizes, so its total stays near what the
 # round-trip table alone takes (the 640 MB and 1.25 GB sizes are round trip only).
-SUITE_MODE_MAX_SIZE = {"oneway": 40 * MB, "fanout": 10 * MB}
+SUITE_MODE_MAX_SIZE = {"oneway": 40 * MB, "fanout": 10 * MB, "call": 10 * MB}
 
 
 class _OneLineErrors(click.Command):
@@ -60,7 +60,8 @@ def _fail(message: str) -> click.ClickException:
               help="roundtrip (default): B echoes; oneway: B acks with a tiny message; fanout: A "
                    "publishes to --subscribers peers and waits for every ack (also measured with one "
                    "subscriber, for the ratio); stream: bursts of --messages small messages, "
-                   "lossless and in order, against raw pynng Push0/Pull0. Repeatable.")
+                   "lossless and in order, against raw pynng Push0/Pull0; call: A q.call()s B's "
+                   "echo handler (q.on), against raw rpc_sync / pynng Req0-Rep0. Repeatable.")
 @click.option("--subscribers", type=click.IntRange(1), default=4, show_default=True,
               help="fanout: subscribers of the publisher, each its own process.")
 @click.option("--messages", type=click.IntRange(1), default=1000, show_default=True,
@@ -90,8 +91,8 @@ def _fail(message: str) -> click.ClickException:
                    "and round, two rounds (root needed; see mq.tools.bench_fanout).")
 @click.option("--suite", is_flag=True,
               help="the full table: every mq type and route this machine has, same host and "
-                   "--two-hosts, round trip at every size plus oneway (to 40MB), fanout (to 10MB) "
-                   "and stream; writes json/csv/md/png into --out (default bench-results/).")
+                   "--two-hosts, round trip at every size plus oneway (to 40MB), fanout and call "
+                   "(to 10MB) and stream; writes json/csv/md/png into --out (default bench-results/).")
 @click.option("--no-baseline", is_flag=True, help="skip the raw pynng / raw torch RPC rows.")
 @click.option("--no-links", is_flag=True, help="skip the raw socket stream (link ceiling) measurement.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,

@@ -16,7 +16,9 @@ have a shared-memory pool and each could open the other's (probed in the handsha
 carry the verdicts), the route is ``shm`` and large CPU buffers travel by descriptor.
 
 Thread rules: ``on_frame`` runs on the transport's I/O thread and never runs user code there;
-subscription handlers run on one dispatcher thread (in order), ``on`` handlers on a small pool.
+subscription handlers run on one dispatcher thread (in order), ``on`` handlers on a small pool,
+or, for a call the transport answers in one exchange (``on_request``), on the transport's
+request thread, which it keeps apart from the threads that carry frames.
 """
 
 from __future__ import annotations
@@ -198,6 +200,7 @@ class MQ:
         self._seq = itertools.count()
         self._lock = threading.RLock()
         self._handler_slots = threading.BoundedSemaphore(handler_threads * 4)
+        self._request_slots = threading.BoundedSemaphore(handler_threads)  # see on_request
         self._executor: ThreadPoolExecutor | None = None
         self._dispatcher: threading.Thread | None = None
         self._handler_threads = handler_threads
@@ -463,7 +466,9 @@ class MQ:
         with self._lock:
             self._calls[corr] = (peer, fut)
         try:
-            self._deliver_to([peer], self._encode(REQ, topic, payload, corr), deadline)
+            frame = self._encode(REQ, topic, payload, corr)
+            if not (self.transport.answers_requests and self._request(peer, frame, deadline)):
+                self._deliver_to([peer], frame, deadline)
             return fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             raise Timeout(f"node {peer} did not answer call {topic!r} within {timeout:g}s "
@@ -471,6 +476,51 @@ class MQ:
         finally:
             with self._lock:
                 self._calls.pop(corr, None)
+
+    def _request(self, peer: int, frame: Frame, deadline: float) -> bool:
+        """A call in one exchange (``Transport.request``): the reply resolves the call's future
+        as if it had come as a frame. False when the peer did not take it as a request (the
+        caller sends it as an ordinary frame). Calls travel inline this way, also to a peer
+        on the shm route: the request is one exchange and the peer's transport moves the
+        bytes (TensorPipe has its own same-host channels); descriptors would need a second
+        message to give the slots back."""
+        if self._state != "listening":
+            raise ClosedError(self._not_listening("call"))
+        p = self._peers.get(peer)
+        if p is None or p.lost:
+            raise PeerLost(f"node {peer} {p.lost if p else 'is not a known peer'}")
+        if p.max_frame_bytes is not None and frame.nbytes > p.max_frame_bytes:
+            raise ConfigError(f"a frame of {frame.nbytes} bytes exceeds node {peer}'s max_frame_bytes="
+                              f"{p.max_frame_bytes}: send smaller pieces, or raise max_frame_bytes on "
+                              f"node {peer}; nothing was sent")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise FutureTimeout()
+        try:
+            reply = self.transport.request(peer, frame, left)
+        except Timeout:
+            raise FutureTimeout() from None  # call() words it
+        except MQError:
+            if p.lost:  # the link broke because the peer died: the call's future says so
+                return True
+            raise
+        if reply is None:
+            return False
+        self._stats.sent += 1
+        p.last_sent = time.monotonic()
+        try:
+            env = self.codec.decode(*reply)
+        except ProtocolError as exc:
+            self.on_dropped(str(exc))
+            raise
+        if env.kind not in (REP_OK, REP_ERR) or env.corr != frame.head[5] or env.sender != peer:
+            self.on_dropped(f"node {peer} answered a request with a {KIND_NAMES[env.kind]} frame "
+                            f"of call {env.corr} from node {env.sender}")
+            raise ProtocolError(f"node {peer} answered call {frame.head[5]} with something else")
+        self._stats.received += 1
+        p.last_seen = time.monotonic()
+        self._on_reply(env)
+        return True
 
     def on(self, topic: str, fn: Callable[[Any], Any]) -> None:
         """Serve :meth:`call` on ``topic``: ``fn(payload)`` returns the answer."""
@@ -899,14 +949,12 @@ class MQ:
             self._stats.dropped_malformed += 1
             log.exception("node %d: error decoding a frame", self.node_id)
             return
-        peer = self._links.get(link)
         try:
             if env.kind in _HANDSHAKE:
                 {HELLO: self._on_hello, HELLO_ACK: self._on_ack, LINK: self._on_link}[env.kind](env, link)
-            elif peer is None:
-                self._reject("unauthenticated", f"a {KIND_NAMES[env.kind]} frame claiming node "
-                             f"{env.sender} on a link that never proved membership")
-            elif self._peers[peer].lost and env.sender == peer:
+            elif (peer := self._admit(env, link)) is None:
+                pass  # refused and counted
+            elif self._peers[peer].lost:
                 # It left (or went silent): answers to our own farewell still count; the rest
                 # of what was in flight is dropped quietly, as the sender was told (PeerLost).
                 if env.kind in (REP_OK, REP_ERR):
@@ -914,9 +962,6 @@ class MQ:
                 else:
                     log.debug("node %d: dropped a %s from node %d, which left", self.node_id,
                               KIND_NAMES[env.kind], peer)
-            elif env.sender != peer:
-                self._reject("spoofed_sender", f"a frame on node {peer}'s link claims to come from "
-                             f"node {env.sender}")
             else:  # the queue's byte bound counts inline bytes (the pool bounds shared ones)
                 self._deliver(env, sum(_nbytes(b) for b in buffers) if shared else env.nbytes)
         except ProtocolError as exc:
@@ -924,6 +969,67 @@ class MQ:
         except Exception:
             self._stats.dropped_malformed += 1
             log.exception("node %d: error handling a frame", self.node_id)
+
+    def _admit(self, env: Envelope, link: Any) -> int | None:
+        """The peer a (non-handshake) frame on ``link`` comes from: the authenticated peer of
+        that link, which must be the frame's sender. None when the frame is refused (counted)."""
+        peer = self._links.get(link)
+        if peer is None:
+            self._reject("unauthenticated", f"a {KIND_NAMES[env.kind]} frame claiming node "
+                         f"{env.sender} on a link that never proved membership")
+            return None
+        if env.sender != peer:
+            self._reject("spoofed_sender", f"a frame on node {peer}'s link claims to come from "
+                         f"node {env.sender}")
+            return None
+        return peer
+
+    def on_request(self, header: Any, buffers: list[Any], link: Any) -> Frame | None:
+        """A REQ frame whose reply goes back in the same exchange (``Transport.request``):
+        checked like any frame (:meth:`_admit`), served in this thread, the reply returned.
+
+        The transport calls this on a thread that may block for the handler's duration (torch
+        RPC: one of its request threads, of which it keeps some free for frames). At most
+        ``handler_threads`` handlers run this way at once; past that, and while the sender's
+        join is still being confirmed here (its LINK frame, sent before, may not be handled
+        yet), this returns None and the sender sends the request as an ordinary frame.
+
+        Raises:
+            ProtocolError: the frame is malformed or refused (counted).
+        """
+        try:
+            env = self.codec.decode(header, buffers, self._resolve_for(link))
+        except ProtocolError as exc:
+            self.on_dropped(str(exc))
+            raise
+        except Exception as exc:
+            self._stats.dropped_malformed += 1
+            log.exception("node %d: error decoding a request", self.node_id)
+            raise ProtocolError(f"malformed request: {type(exc).__name__}") from None
+        if env.kind != REQ:
+            self.on_dropped(f"a {KIND_NAMES[env.kind]} frame sent as a request")
+            raise ProtocolError(f"a {KIND_NAMES[env.kind]} frame is not a request")
+        if self._state != "listening":
+            return None
+        if self._links.get(link) is None:
+            with self._lock:
+                joining = any(key[0] == env.sender for key in self._pending)
+            if joining:
+                return None
+        peer = self._admit(env, link)
+        if peer is None:
+            raise ProtocolError(f"node {self.node_id} refused a request claiming node {env.sender}")
+        p = self._peers[peer]
+        if p.lost:
+            return None  # as on_frame: the ordinary frame is dropped, the caller learns PeerLost
+        if not self._request_slots.acquire(blocking=False):
+            return None
+        try:
+            self._stats.received += 1
+            p.last_seen = time.monotonic()
+            return self._answer(env)
+        finally:
+            self._request_slots.release()
 
     def on_link_lost(self, peer: int, why: str) -> None:
         if self._state == "listening":
@@ -1138,22 +1244,27 @@ class MQ:
             self._stats.dropped_unexpected_reply += 1
 
     # ------------------------------------------------------------------ internals
+    def _answer(self, env: Envelope) -> Frame:
+        """Run the ``on`` handler of a REQ and encode its reply: REP_OK with the result, or
+        REP_ERR with the error's type and message (also when no handler is registered, or the
+        result cannot be encoded)."""
+        with self._lock:
+            fn = self._servers.get(env.topic)
+        try:
+            if fn is None:
+                raise LookupError(f"node {self.node_id} has no handler for {env.topic!r}; "
+                                  f"register one with q.on({env.topic!r}, fn)")
+            kind, answer = REP_OK, fn(env.payload)
+        except Exception as exc:
+            kind, answer = REP_ERR, _error_payload(exc)
+        try:
+            return self._encode(kind, env.topic, answer, env.corr)
+        except EncodeError as exc:
+            return self._encode(REP_ERR, env.topic, _error_payload(exc), env.corr)
+
     def _serve(self, env: Envelope) -> None:
         try:
-            with self._lock:
-                fn = self._servers.get(env.topic)
-            try:
-                if fn is None:
-                    raise LookupError(f"node {self.node_id} has no handler for {env.topic!r}; "
-                                      f"register one with q.on({env.topic!r}, fn)")
-                kind, answer = REP_OK, fn(env.payload)
-            except Exception as exc:
-                kind, answer = REP_ERR, _error_payload(exc)
-            try:
-                self._send_frame(env.sender, kind, env.topic, answer, timeout=self.timeout, corr=env.corr)
-            except EncodeError as exc:
-                self._send_frame(env.sender, REP_ERR, env.topic, _error_payload(exc),
-                                 timeout=self.timeout, corr=env.corr)
+            self._deliver_to([env.sender], self._answer(env), time.monotonic() + self.timeout)
         except MQError as exc:
             log.warning("node %d: could not answer call %r from node %d: %s",
                         self.node_id, env.topic, env.sender, exc)

@@ -19,7 +19,8 @@ Contract (every method may be called from any thread unless it says otherwise):
     Open the data link to a peer that said HELLO (``info`` is its HELLO payload, ``route`` the
     route core chose). Idempotent for the same peer incarnation. Symmetric: both sides call it.
 ``disconnect(peer)``
-    Close the link to ``peer`` now (core lost it): a ``send`` blocked on it returns at once.
+    Close the link to ``peer`` now (core lost it): a ``send`` or ``request`` blocked on it
+    returns at once.
 ``send(peer, frame, timeout) -> receipt | None``
     Move one frame to ``peer``, in order after every frame sent to it before, or raise
     :class:`~mq.errors.Timeout` (nothing sent) / :class:`~mq.errors.PeerLost` within ``timeout``.
@@ -29,6 +30,17 @@ Contract (every method may be called from any thread unless it says otherwise):
     Optional: receive and deliver at most one frame in the calling thread (``recv()`` uses it
     to skip a thread hand-off), returning at once when ``ready()`` says what the caller waits
     for arrived meanwhile. False when the transport cannot.
+``request(peer, frame, timeout) -> (header, buffers) | None``
+    Optional (``answers_requests = True``): request and reply in one exchange. Move one REQ
+    frame (inline buffers only: no shm descriptors) to ``peer``, whose transport hands it to
+    its node's :meth:`Events.on_request` and carries the reply frame back as the answer; return
+    that reply's ``(header, buffers)`` as :meth:`Events.on_frame` would get them, or None when
+    the peer did not take the frame as a request (busy, or still joining): the caller then sends
+    it as an ordinary frame. Not ordered against ``send``. Raises
+    :class:`~mq.errors.Timeout` when no answer came within ``timeout`` (the peer may still run
+    the handler), :class:`~mq.errors.PeerLost` at once when the link breaks or ``disconnect``
+    is called for ``peer``, :class:`~mq.errors.ClosedError` when closed meanwhile, and
+    :class:`~mq.errors.ProtocolError` when the peer refused it. Default: not supported.
 ``close(timeout)``
     Close every link within ``timeout`` seconds; never raises.
 
@@ -56,6 +68,16 @@ class Events(Protocol):
         pipe, an RPC rank), so core can tie frames to the peer that proved itself on that link.
         Runs on the transport's I/O thread (or a ``read_in_caller`` caller)."""
 
+    def on_request(self, header: Any, buffers: list[Any], link: Any) -> Frame | None:
+        """A REQ frame that wants its reply in the same exchange (``Transport.request``): check
+        ``link`` as ``on_frame`` does, run the ``on`` handler in the calling thread and return
+        the reply frame (REP_OK, or REP_ERR when the handler raised or none is registered).
+        None: not taken here (no handler slot free, or the link is still joining); the
+        requester then sends it as an ordinary frame. Raises :class:`~mq.errors.ProtocolError`
+        when the frame is refused (malformed, unauthenticated link, spoofed sender: counted).
+        Runs user code: call it only from a thread that may block for the handler's duration
+        and that no other frame needs."""
+
     def on_link_lost(self, peer: int, why: str) -> None:
         """The link to ``peer`` broke (its process died, or it closed)."""
 
@@ -74,6 +96,8 @@ class Transport:
     shm_ok = True
     #: the codec keeps tensors as tensors (torch RPC sends them as RPC tensors)
     keeps_tensors = False
+    #: the transport implements ``request`` (request and reply in one exchange)
+    answers_requests = False
     #: this node's addresses by kind, filled by start()
     addresses: dict[str, str]
 
@@ -94,6 +118,9 @@ class Transport:
 
     def read_in_caller(self, timeout: float, ready: Callable[[], bool]) -> bool:
         return False
+
+    def request(self, peer: int, frame: Frame, timeout: float) -> tuple[Any, list[Any]] | None:
+        raise NotImplementedError(f"the {self.name} transport does not answer requests in one exchange")
 
     def close(self, timeout: float) -> None:
         raise NotImplementedError

@@ -178,6 +178,21 @@ def test_oneway_rows_and_the_by_handle_row():
 
 
 @pytest.mark.timeout(240)
+def test_call_rows_against_raw_req_rep_and_raw_rpc_sync():
+    rows = _run_json(["--mq-type", "nng", "--mq-type", "torchrpc:cpu", "--route", "ipc", "--mode", "call",
+                      "--no-links", *SMALL[:-1]])
+    by = {(r["mq_type"], r["route"], r["size_bytes"]): r for r in rows}
+    for size in (1280, 20480):
+        for mq_type, route, baseline in (("nng", "ipc", "raw:pynng/ipc"), ("torchrpc:cpu", "auto", "raw:rpc/auto")):
+            r = by[(mq_type, route, size)]
+            if mq_type == "torchrpc:cpu" and r["skipped"] and not r["samples"]:
+                continue  # no torch RPC in this build: skipped with its reason (checked above)
+            assert r["mode"] == "call" and r["samples"] >= 1 and r["bound_copies"] == 2 and r["payloads"] == 2, r
+            assert r["baseline"] == baseline and r["ratio"] is not None, r
+            assert by[(*baseline.split("/"), size)]["mode"] == "call"
+
+
+@pytest.mark.timeout(240)
 def test_fanout_reports_n_subscribers_against_one():
     rows = _run_json(["--mq-type", "nng", "--route", "ipc", "--mode", "fanout", "--subscribers", "2",
                       "--sizes", "1.25KB", "--max-seconds", "15", "--target-seconds", "0.2",

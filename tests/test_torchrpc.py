@@ -126,7 +126,37 @@ def test_file_and_env_init_methods(scheme, tmp_path):
     assert res[0] == ("hi", 1, [1])
 
 
+@pytest.mark.timeout(180)
+def test_call_is_one_request_with_answers_errors_and_refused_spoofs():
+    with Group("calls", 2) as g:
+        res = g.results()
+        g.join()
+    server, caller = res[0], res[1]
+    assert caller["small"] == (7, [0, 1, 2, 3])
+    assert caller["big"] and caller["payload_ok"]
+    assert caller["fail"] == ("KeyError", "'missing'", 0)
+    assert caller["nohandler"][0] == "LookupError" and "no handler for 'nohandler'" in caller["nohandler"][1]
+    # One exchange each: no call went as a REQ frame, and the handler ran on a TensorPipe
+    # thread (a thread Python did not start), not on mq's handler pool.
+    assert caller["req_frames"] == 0 and caller["taken"] == [True] * 6, caller
+    assert "-on" not in caller["thread"], caller["thread"]
+    assert "mq: request not served" in caller["spoofed"], caller["spoofed"]
+    assert server["rejected"] == {"spoofed_sender": 1}, server
+
+
 # ---------------------------------------------------------------------- failures
+@pytest.mark.timeout(120)
+def test_call_to_a_peer_killed_mid_handler_raises_peer_lost_at_once():
+    with Group("call_dies", 2) as g:
+        res = g.results(expect=[1])
+        g.join([0, 1], timeout=10.0)
+        assert g.procs[0].exitcode == -9
+    kind, text = res[1]["error"]
+    assert kind == "PeerLost" and "node 0" in text, res[1]
+    assert res[1]["waited_s"] < 6.0, res[1]  # not the call's 30 s timeout
+
+
+
 @pytest.mark.timeout(180)
 def test_sigkilled_peer_raises_within_bound_and_stop_is_bounded():
     with Group("sigkill", 3) as g:

@@ -259,6 +259,21 @@ def test_the_default_secret_file_is_private_and_shared_by_the_users_processes(tm
     assert repr(auth.resolve_secret("a-long-enough-secret")) == "Secret(source='explicit')"
 
 
+def test_a_request_on_a_link_that_never_joined_is_refused_and_counted():
+    """What a transport that answers calls in one exchange hands core (``on_request``) is
+    checked like any frame: a link that never proved membership gets no handler run."""
+    from mq.codec import REQ, split
+
+    ran = []
+    with mq.create("inproc", 0) as q:
+        q.on("echo", lambda x: ran.append(x) or x)
+        head, buffers = split(q.codec.encode(REQ, "echo", 3, 0, 1, "hi").to_bytes())
+        with pytest.raises(mq.ProtocolError, match="refused"):
+            q.on_request(head, buffers, ("rank", 3))
+        assert q.stats().rejected == {"unauthenticated": 1}
+    assert ran == []
+
+
 def test_insecure_nodes_talk_without_a_secret_and_say_so():
     a = mq.create("inproc", 0, insecure=True, listen_to="inproc://insecure-a")
     b = mq.create("inproc", 1, insecure=True, attach_to=["inproc://insecure-a"])

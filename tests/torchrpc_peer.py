@@ -150,6 +150,87 @@ def sigkill(node_id: int, world_size: int, init_method: str) -> Any:
             "peers_after": q.peers()}
 
 
+def calls(node_id: int, world_size: int, init_method: str) -> Any:
+    """Node 1 calls node 0's handlers: each call must be one request (no REQ frame), served
+    off mq's handler pool; then node 1 sends a request whose envelope claims node 5."""
+    import threading
+
+    from torch.distributed import rpc
+
+    from mq.backends.torchrpc import _inline_text, _request_script
+    from mq.codec import REQ
+
+    with _create(node_id, world_size, init_method) as q:
+        q.wait_for_peers(1, timeout=20)
+        if node_id == 0:
+            q.on("echo", lambda x: x)
+            q.on("fail", lambda x: {}["missing"])
+            q.on("thread", lambda x: threading.current_thread().name)
+            q.send(1, "served", None)
+            assert q.recv(timeout=30).topic == "done"
+            return {"rejected": dict(q.stats().rejected)}
+        assert q.recv(timeout=20).topic == "served"
+        kinds: list[int] = []
+        taken: list[bool] = []
+        send, request = q.transport.send, q.transport.request
+
+        def counting_send(peer: int, frame: Any, timeout: float) -> Any:
+            kinds.append(frame.kind)
+            return send(peer, frame, timeout)
+
+        def counting_request(peer: int, frame: Any, timeout: float) -> Any:
+            reply = request(peer, frame, timeout)
+            taken.append(reply is not None)
+            return reply
+
+        q.transport.send, q.transport.request = counting_send, counting_request  # type: ignore[method-assign]
+        res: dict[str, Any] = {}
+        small = q.call(0, "echo", {"n": 7, "t": torch.arange(4)}, timeout=10)
+        res["small"] = (small["n"], small["t"].tolist())
+        big = torch.arange(100_000, dtype=torch.float32)  # 400 KB: RPC tensors, not text
+        res["big"] = bool(torch.equal(q.call(0, "echo", big, timeout=10), big))
+        res["payload_ok"] = _same(payload(), q.call(0, "echo", payload(), timeout=10))
+        res["thread"] = q.call(0, "thread", None, timeout=10)
+        for topic in ("fail", "nohandler"):
+            try:
+                q.call(0, topic, 1, timeout=10)
+            except mq.RemoteError as exc:
+                res[topic] = (exc.remote_type, exc.remote_message, exc.peer)
+        res["req_frames"] = kinds.count(REQ)
+        res["taken"] = taken
+        # A request on node 1's link whose envelope says node 5 sent it.
+        forged = q.codec.encode(REQ, "echo", 5, 0, 12345, "hi")
+        try:
+            rpc.rpc_sync("mq0", _request_script, args=(1, _inline_text(forged), []), timeout=10)
+            res["spoofed"] = "answered"
+        except RuntimeError as exc:
+            res["spoofed"] = str(exc)
+        q.send(0, "done", None)
+        return res
+
+
+def call_dies(node_id: int, world_size: int, init_method: str) -> Any:
+    """Node 0's handler SIGKILLs its own process mid-call; node 1's call must fail fast."""
+    q = _create(node_id, world_size, init_method, timeout=10.0)
+    q.listen()
+    q.wait_for_peers(1, timeout=20)
+    if node_id == 0:
+        q.on("die", lambda x: os.kill(os.getpid(), signal.SIGKILL))
+        q.send(1, "served", None)
+        time.sleep(60)  # killed by its own handler long before
+        return None
+    assert q.recv(timeout=20).topic == "served"
+    t0 = time.monotonic()
+    try:
+        q.call(0, "die", None, timeout=30)
+        error = None
+    except mq.MQError as exc:
+        error = (type(exc).__name__, str(exc))
+    waited = time.monotonic() - t0
+    q.stop(timeout=5.0)
+    return {"error": error, "waited_s": waited}
+
+
 def stop_abandoned(node_id: int, world_size: int, init_method: str) -> Any:
     """rpc.shutdown hangs (as torch's does when a peer died): stop() still returns in time."""
     q = _create(node_id, world_size, init_method)

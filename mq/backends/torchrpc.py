@@ -8,20 +8,33 @@ torch allows one RPC agent per process, so one listening torchrpc queue per proc
 Wire format
 -----------
 A frame is one RPC to the TorchScript function :func:`_deliver_script`, which calls the custom op
-``mq::deliver(int sender, int seq, int ack, Tensor header, Tensor[] buffers) -> int``:
+``mq::deliver(int sender, int seq, int ack, str frame, Tensor[] buffers) -> int``:
 
-* ``header``: a CPU uint8 tensor holding the codec's frame header (:mod:`mq.codec`, the same
-  envelope every transport carries; shm descriptors ride in it for same-host peers).
+* ``frame``: bytes as latin-1 text (one character per byte). A small frame (buffers of at most
+  ``_INLINE_MAX`` = 2 KiB, all in host memory) travels whole in it, in the codec's contiguous
+  layout (:mod:`mq.codec`, the one NNG sends), and ``buffers`` is empty: no RPC tensor, each
+  of which costs TensorPipe a channel transfer (~0.1 ms here). Otherwise it holds the u32
+  length prefix and the codec's frame header (the same envelope every transport carries; shm
+  descriptors ride in it for same-host peers), and:
 * ``buffers``: the frame's inline buffers as RPC tensors (``Codec(keep_tensors=True)``):
   numpy arrays and large bytes as flat uint8 tensors, torch tensors as themselves. With
   ``torchrpc:cuda`` a CUDA tensor goes device to device through the TensorPipe device map for
   that peer; without a map entry for its device (and always with ``torchrpc:cpu``) it is
   copied to host first, and the receiver puts it back on the same device index if it has one.
 * ``seq``: the frame's number in the sender->receiver stream (0, 1, 2, ...);
-  negative numbers are unordered control frames: -1 credit, -2 "I am blocked, credit me when
-  you consume", -3 heartbeat.
+  negative numbers are unordered control frames (empty ``frame``): -1 credit, -2 "I am
+  blocked, credit me when you consume", -3 heartbeat.
 * ``ack``: how many frames of the *receiver's* stream to the sender the sender has consumed
   (credit piggybacked on every frame); the RPC's return value is the same count the other way.
+
+A call is one RPC to :func:`_request_script`: ``mq::request(int sender, str frame, Tensor[]
+buffers) -> (str, Tensor[])`` carries a REQ frame laid out as above, and its return value is
+the reply frame (REP_OK / REP_ERR) laid out the same way; empty text means "not taken here"
+(the server's request threads are busy, or the caller's join is not confirmed yet) and the
+caller sends the REQ as an ordinary frame. The server runs the ``on`` handler on the TensorPipe
+thread that received the request (:meth:`mq.core.MQ.on_request`); requests hold at most half
+of TensorPipe's ``num_worker_threads``, so frames and heartbeats always find a thread. Calls are
+not ordered against frames (only frames are numbered).
 
 No pickle on the data path
 --------------------------
@@ -94,13 +107,14 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import struct
 import threading
 import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterable, List, Mapping
+from typing import Any, Iterable, List, Mapping, Tuple
 
 import msgpack
 import numpy as np
@@ -108,7 +122,7 @@ import torch
 
 from mq import device_map
 from mq.auth import seal, unseal
-from mq.codec import Frame
+from mq.codec import ALIGN, Frame, split
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.locality import Locality, local
 from mq.rendezvous import parse_init_method
@@ -120,38 +134,64 @@ log = logging.getLogger("mq.torchrpc")
 _CREDIT, _WANT, _PING = -1, -2, -3  # unordered control frames (negative seq)
 _WANT_RETRY_S = 0.5  # a blocked sender asks again this often if no credit came
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+_U32 = struct.Struct("<I")
+# Frames whose buffers hold at most this many bytes travel whole as one text argument, no RPC
+# tensor: TensorPipe spends ~100 us per tensor (one channel transfer each; measured on the
+# 2-core reference VM: a 1.25 KB echo RPC 0.52 ms with a header tensor and a buffer tensor,
+# 0.3 ms as text), while TorchScript strings get slow as they grow (2 KiB: 0.33 vs 0.41 ms
+# as a tensor; 4 KiB: slower than the tensor).
+_INLINE_MAX = 2048
 
 
 # ---------------------------------------------------------------------- the wire entry point
-def _deliver_impl(sender: int, seq: int, ack: int, header: torch.Tensor,
-                  buffers: List[torch.Tensor]) -> int:
+def _deliver_impl(sender: int, seq: int, ack: int, frame: str, buffers: List[torch.Tensor]) -> int:
     """Python kernel of ``mq::deliver``: runs on a TensorPipe worker thread of the receiver."""
     node = _ACTIVE
     if node is None:
         raise RuntimeError("mq: no torchrpc queue is listening in this process (it stopped)")
-    return node._on_rpc(sender, seq, ack, header, buffers)
+    return node._on_rpc(sender, seq, ack, frame, buffers)
+
+
+def _request_impl(sender: int, frame: str, buffers: List[torch.Tensor]) -> Tuple[str, List[torch.Tensor]]:
+    """Python kernel of ``mq::request``: runs on a TensorPipe worker thread of the server."""
+    node = _ACTIVE
+    if node is None:
+        raise RuntimeError("mq: no torchrpc queue is listening in this process (it stopped)")
+    return node._on_request_rpc(sender, frame, buffers)
 
 
 def _define_op() -> Any:
     lib = torch.library.Library("mq", "DEF")
     # CONSERVATIVE: the op has side effects; TorchScript must never drop or reorder the call.
-    lib.define("deliver(int sender, int seq, int ack, Tensor header, Tensor[] buffers) -> int",
+    lib.define("deliver(int sender, int seq, int ack, str frame, Tensor[] buffers) -> int",
                alias_analysis="CONSERVATIVE")
     lib.impl("deliver", _deliver_impl, "CompositeExplicitAutograd")
+    lib.define("request(int sender, str frame, Tensor[] buffers) -> (str, Tensor[])",
+               alias_analysis="CONSERVATIVE")
+    lib.impl("request", _request_impl, "CompositeExplicitAutograd")
     return lib
 
 
 _LIB = _define_op()
 
 
-def _deliver_script(sender: int, seq: int, ack: int, header: torch.Tensor,
-                    buffers: List[torch.Tensor]) -> int:
-    return torch.ops.mq.deliver(sender, seq, ack, header, buffers)
+def _deliver_script(sender: int, seq: int, ack: int, frame: str, buffers: List[torch.Tensor]) -> int:
+    return torch.ops.mq.deliver(sender, seq, ack, frame, buffers)
+
+
+def _request_script(sender: int, frame: str, buffers: List[torch.Tensor]) -> Tuple[str, List[torch.Tensor]]:
+    return torch.ops.mq.request(sender, frame, buffers)
 
 
 with warnings.catch_warnings():  # torch.jit.script is deprecated in 2.x but still what RPC runs
     warnings.simplefilter("ignore")
     _deliver_script = torch.jit.script(_deliver_script)  # type: ignore[assignment]
+    _request_script = torch.jit.script(_request_script)  # type: ignore[assignment]
+
+# The text of the RPC error a server raises for a request it refused (not a broken link).
+_NOT_SERVED = "mq: request not served"
+# torch's RPC timeout error (rpc_agent.h kRpcTimeoutErrorStr), not a broken link either.
+_RPC_TIMED_OUT = "ran for more than set timeout"
 
 
 # ---------------------------------------------------------------------- per-process agent
@@ -178,7 +218,7 @@ def _short(exc: BaseException) -> str:
 class _Outgoing:
     """One frame as RPC tensors, shared by every peer it goes to (publish converts once)."""
 
-    header: torch.Tensor
+    text: str  # the frame's text argument (see the module docstring)
     buffers: list[torch.Tensor]
     nbytes: int
     borrowed: bool  # buffers alias caller memory: wait until the peer has them
@@ -197,6 +237,7 @@ class _Link:
         self.sizes: collections.deque[tuple[int, int]] = collections.deque()  # (seq, nbytes) unacked
         self.bytes = 0
         self.pending = 0  # RPCs not yet answered
+        self.requests: set[Any] = set()  # locks callers of request() wait on (see _wake)
         self.want_out = False
         self.want_acked = -1
         self.want_t = 0.0
@@ -309,6 +350,17 @@ class TorchRpcTransport(Transport):
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ConfigError(f"num_worker_threads must be an int >= 1, got {num_worker_threads!r}")
         self.num_worker_threads = num_worker_threads
+        # TensorPipe runs every incoming RPC (frames, credit, heartbeats, requests) on one pool
+        # of num_worker_threads threads. A frame's op parks it and returns; a request's op runs
+        # the user's handler and holds its thread until the handler returns. So requests may
+        # hold at most half the pool: the other half stays free for frames and heartbeats, and a
+        # slow handler never starves the links (a peer whose heartbeats go unread is declared
+        # lost). A request past the bound is answered "not taken" and its caller sends it as an
+        # ordinary frame, served by core's handler pool. One thread: no requests at all.
+        self._request_limit = max(1, num_worker_threads // 2)
+        self._requests_running = 0
+        self._request_lock = threading.Lock()
+        self.answers_requests = num_worker_threads >= 2
         if not isinstance(send_window, int) or send_window < 1:
             raise ConfigError(f"send_window must be an int >= 1, got {send_window!r}")
         if not isinstance(send_window_bytes, int) or send_window_bytes < 1:
@@ -526,6 +578,7 @@ class TorchRpcTransport(Transport):
         for link in self._links.values():
             with link.cond:
                 link.cond.notify_all()
+                _wake(link.requests)
         if self._rx_thread is not None and self._rx_thread is not threading.current_thread():
             self._rx_thread.join(max(0.0, min(0.5, deadline - time.monotonic())))
         if not self._rpc_started:
@@ -561,17 +614,23 @@ class TorchRpcTransport(Transport):
                 _ACTIVE = None
 
     # ------------------------------------------------------------------ sending
-    def _tensors(self, frame: Frame) -> _Outgoing:
-        """The frame as RPC tensors, converted once per frame (publish shares it)."""
+    def _tensors(self, frame: Frame, borrow: bool = False) -> _Outgoing:
+        """The frame as RPC arguments, converted once per frame (publish shares it): all of it
+        as text when it is small, else its header as text and its buffers as RPC tensors.
+        ``borrow``: never copy the caller's buffers (it waits until the peer has them anyway)."""
         out = frame.layout.get("torchrpc")
         if out is not None:
             return out
-        header = torch.frombuffer(bytearray(frame.header), dtype=torch.uint8)
+        text = _inline_text(frame)
+        if text is not None:  # copied into the text: the caller may change its buffers at once
+            out = frame.layout["torchrpc"] = _Outgoing(text, [], len(text), borrowed=False)
+            return out
+        text = (_U32.pack(len(frame.header)) + frame.header).decode("latin-1")
         staged = self.device == "cpu"
         raw = frame.buffers
         shared = sum(_nbytes(b) for b in raw if isinstance(b, (np.ndarray, torch.Tensor))
                      and not (staged and isinstance(b, torch.Tensor) and b.device.type != "cpu"))
-        copy = shared <= self.copy_threshold
+        copy = not borrow and shared <= self.copy_threshold
         buffers: list[torch.Tensor] = []
         for b in raw:
             if isinstance(b, torch.Tensor):
@@ -585,8 +644,8 @@ class TorchRpcTransport(Transport):
             else:  # bytes: immutable, and torch wants writable memory
                 t = torch.frombuffer(bytearray(b), dtype=torch.uint8) if len(b) else _EMPTY
             buffers.append(t)
-        nbytes = header.numel() + sum(_nbytes(t) for t in buffers)
-        out = frame.layout["torchrpc"] = _Outgoing(header, buffers, nbytes, borrowed=not copy and shared > 0)
+        nbytes = len(text) + sum(_nbytes(t) for t in buffers)
+        out = frame.layout["torchrpc"] = _Outgoing(text, buffers, nbytes, borrowed=not copy and shared > 0)
         return out
 
     def _buffers_for(self, peer: int, out: _Outgoing) -> list[torch.Tensor]:
@@ -629,7 +688,7 @@ class TorchRpcTransport(Transport):
                 self._want_credit(link)
                 link.cond.wait(min(left, 0.1))
             seq = link.next_seq
-            fut = self._issue(link, seq, encoded.header, buffers)
+            fut = self._issue(link, seq, encoded.text, buffers)
             link.next_seq += 1
             link.sizes.append((seq, encoded.nbytes))
             link.bytes += encoded.nbytes
@@ -639,13 +698,13 @@ class TorchRpcTransport(Transport):
             return lambda: self._wait_received(link, fut)
         return None
 
-    def _issue(self, link: _Link, seq: int, header: torch.Tensor, buffers: list[torch.Tensor]) -> Any:
+    def _issue(self, link: _Link, seq: int, text: str, buffers: list[torch.Tensor]) -> Any:
         """Hand one frame to TensorPipe; raises (without consuming ``seq``) if it cannot."""
         from torch.distributed import rpc
 
         ack = self._inbound[link.peer].report()  # piggybacked credit for the other direction
         try:
-            return rpc.rpc_async(link.info, _deliver_script, args=(self.node_id, seq, ack, header, buffers),
+            return rpc.rpc_async(link.info, _deliver_script, args=(self.node_id, seq, ack, text, buffers),
                                  timeout=self.rpc_timeout)
         except Exception as exc:
             if self._closed:
@@ -674,6 +733,100 @@ class TorchRpcTransport(Transport):
             raise err
         return err
 
+    # ------------------------------------------------------------------ requests
+    def request(self, peer: int, frame: Frame, timeout: float) -> tuple[Any, list[Any]] | None:
+        """One RPC of :func:`_request_script` whose return value is the reply frame (see the
+        module docstring); the caller waits on it, woken at once when the link is lost."""
+        from torch.distributed import rpc
+
+        link = self._links.get(peer)
+        if link is None:
+            raise PeerLost(f"node {peer} is not in this torch RPC group (world_size={self.world_size})")
+        out = self._tensors(frame, borrow=True)  # we wait for the answer: the peer has them then
+        buffers = self._buffers_for(peer, out)
+        answered = threading.Lock()  # released by the answer, or by _wake (lost link, close)
+        answered.acquire()
+        with link.cond:
+            if self._closed:
+                raise ClosedError("the queue was stopped")
+            if link.failed:
+                raise PeerLost(f"node {peer} {link.failed}")
+            link.requests.add(answered)
+        try:
+            try:
+                fut = rpc.rpc_async(link.info, _request_script, args=(self.node_id, out.text, buffers),
+                                    timeout=timeout)
+            except Exception as exc:
+                if self._closed:
+                    raise ClosedError("the queue was stopped") from None
+                raise PeerLost(f"node {peer}: torch RPC refused the request: {_short(exc)}") from exc
+            fut.add_done_callback(lambda _f: _release(answered))
+            # torch fails the RPC itself after `timeout`; the extra second only guards that.
+            if not answered.acquire(timeout=timeout + 1.0) and not fut.done():
+                raise Timeout(f"node {peer} did not answer within {timeout:g}s")
+        finally:
+            with link.cond:
+                link.requests.discard(answered)
+        if not fut.done():  # woken by disconnect() or close()
+            if link.failed:
+                raise PeerLost(f"node {peer} {link.failed}")
+            raise ClosedError("the queue was stopped while a request was in flight")
+        try:
+            text, reply = fut.value()
+        except Exception as exc:
+            text = str(exc)
+            if _NOT_SERVED in text:
+                raise ProtocolError(f"node {peer} did not serve the request: {_short(exc)}") from None
+            if _RPC_TIMED_OUT in text:
+                raise Timeout(f"node {peer} did not answer within {timeout:g}s") from None
+            self._link_failed(link, exc)
+            raise PeerLost(f"node {peer} {link.failed}") from None
+        if not text:
+            return None  # not taken as a request: send it as a frame
+        if reply and any(t.is_cuda for t in reply):
+            _settle_cuda(reply)
+        return self._frame_parts(text, reply)
+
+    def _on_request_rpc(self, sender: Any, text: str,
+                        buffers: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
+        """A request arrived (TensorPipe thread): serve it here and return the reply frame's
+        arguments, or empty text for "not taken, send it as a frame"."""
+        node = self._node
+        if node is None or not isinstance(sender, int) or sender not in self._inbound:
+            if node is not None:
+                node.on_dropped(f"a request from node {sender!r}, not in this RPC group")
+            raise RuntimeError(f"{_NOT_SERVED}: node {self.node_id} got a request from node "
+                               f"{sender!r}, which is not a peer in this group of {self.world_size}")
+        with self._request_lock:
+            if self._closing or self._requests_running >= self._request_limit:
+                return "", []
+            self._requests_running += 1
+        try:
+            if buffers and any(t.is_cuda for t in buffers):
+                _settle_cuda(buffers)
+            try:
+                head, views = self._frame_parts(text, buffers)
+            except ProtocolError as exc:
+                node.on_dropped(f"a request from node {sender}: {exc}")
+                raise RuntimeError(f"{_NOT_SERVED}: {exc}") from None
+            try:
+                reply = node.on_request(head, views, ("rank", sender))
+            except ProtocolError as exc:
+                raise RuntimeError(f"{_NOT_SERVED}: {exc}") from None
+            except Exception as exc:  # never let a bug look like a broken link to the caller
+                log.exception("node %d: error serving a request from node %d", self.node_id, sender)
+                raise RuntimeError(f"{_NOT_SERVED}: {type(exc).__name__}") from None
+            if reply is None:
+                return "", []
+            text = _inline_text(reply)
+            if text is not None:
+                return text, []
+            out = self._tensors(reply)  # the copy rules of send: the handler's result may change
+            return out.text, self._buffers_for(sender, out)
+        finally:
+            with self._request_lock:
+                self._requests_running -= 1
+
     def _on_reply(self, link: _Link, fut: Any) -> None:
         try:
             consumed = fut.value()
@@ -691,6 +844,7 @@ class TorchRpcTransport(Transport):
             with link.cond:  # blocked senders wake with PeerLost (the RPC group is static)
                 link.failed = link.failed or "was lost"
                 link.cond.notify_all()
+                _wake(link.requests)
 
     def _link_failed(self, link: _Link, exc: BaseException) -> None:
         with link.cond:
@@ -698,13 +852,14 @@ class TorchRpcTransport(Transport):
                 return
             link.failed = f"is unreachable (torch RPC: {_short(exc)})"
             link.cond.notify_all()
+            _wake(link.requests)
         if not self._closing and self._node is not None:
             self._node.on_link_lost(link.peer, link.failed)
 
     def _control(self, link: _Link, seq: int, on_done: Any = None) -> None:
         """Send an unordered control frame (credit, want, ping); never blocks."""
         try:
-            fut = self._issue(link, seq, _EMPTY, [])
+            fut = self._issue(link, seq, "", [])
         except MQError as exc:
             if on_done:
                 on_done()
@@ -748,8 +903,7 @@ class TorchRpcTransport(Transport):
                 self._control(link, _PING, done)
 
     # ------------------------------------------------------------------ receiving
-    def _on_rpc(self, sender: Any, seq: Any, ack: Any, header: torch.Tensor,
-                buffers: list[torch.Tensor]) -> int:
+    def _on_rpc(self, sender: Any, seq: Any, ack: Any, text: str, buffers: list[torch.Tensor]) -> int:
         """A frame arrived (TensorPipe thread): park it in order; never blocks."""
         inbound = self._inbound.get(sender) if isinstance(sender, int) else None
         if inbound is None:
@@ -770,7 +924,7 @@ class TorchRpcTransport(Transport):
                 if self._node is not None:  # a duplicate: never deliver twice
                     self._node.on_dropped(f"duplicate frame {seq} from node {sender}")
                 return inbound.report()
-            inbound.held[seq] = (header, buffers)
+            inbound.held[seq] = (text, buffers)
             while inbound.expect in inbound.held:
                 self._ready.append((sender, inbound.expect, inbound.held.pop(inbound.expect)))
                 inbound.expect += 1
@@ -786,10 +940,10 @@ class TorchRpcTransport(Transport):
                     self._rx_cond.wait(0.2)
                 if self._rx_stop:
                     return
-                sender, seq, (header, buffers) = self._ready.popleft()
+                sender, seq, (text, buffers) = self._ready.popleft()
             assert self._node is not None
             try:
-                head, views = self._frame_parts(header, buffers)
+                head, views = self._frame_parts(text, buffers)
             except ProtocolError as exc:
                 self._node.on_dropped(f"from node {sender}: {exc}")
             else:
@@ -798,7 +952,7 @@ class TorchRpcTransport(Transport):
             with self._rx_cond:
                 inbound.consumed += 1
                 inbound.queued -= 1
-                inbound.unreported_bytes += header.numel() + sum(_nbytes(t) for t in buffers)
+                inbound.unreported_bytes += len(text) + sum(_nbytes(t) for t in buffers)
                 # A blocked sender gets credit in batches (half a window of frames or bytes, or
                 # all we had once we caught up), not one control frame per consumed frame.
                 credit = inbound.waiting and (
@@ -811,19 +965,59 @@ class TorchRpcTransport(Transport):
             if credit:
                 self._control(self._links[sender], _CREDIT)
 
-    def _frame_parts(self, header: Any, buffers: list[Any]) -> tuple[Any, list[Any]]:
-        """RPC tensors -> the codec's (header, buffers): flat uint8 host tensors become
-        buffer-protocol views (arrays, bytes), other tensors stay tensors."""
-        if not (isinstance(header, torch.Tensor) and header.dtype == torch.uint8
-                and header.dim() == 1 and header.device.type == "cpu"):
-            raise ProtocolError("frame header is not a CPU uint8 vector")
+    def _frame_parts(self, text: Any, buffers: list[Any]) -> tuple[Any, list[Any]]:
+        """RPC arguments -> the codec's (header, buffers). Without tensors the text is the
+        whole frame (split in place, writable views); else it is the header, and flat uint8
+        host tensors become buffer-protocol views (arrays, bytes), other tensors stay tensors."""
+        if not isinstance(text, str):
+            raise ProtocolError("frame text is not a str")
         assert self._node is not None
-        size = header.numel() + sum(t.numel() * t.element_size() for t in buffers)
+        size = len(text) + sum(t.numel() * t.element_size() for t in buffers)
         if size > self._node.max_frame_bytes:
             raise ProtocolError(f"{size} bytes exceeds max_frame_bytes={self._node.max_frame_bytes}")
+        try:
+            data = bytearray(text, "latin-1")
+        except UnicodeEncodeError:
+            raise ProtocolError("frame text is not latin-1 (bytes)") from None
+        if not buffers:
+            return split(data)
+        if len(data) < 4 or _U32.unpack_from(data)[0] != len(data) - 4:
+            raise ProtocolError(f"frame header of {len(data)} bytes does not match its length prefix")
         views = [t.numpy() if t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 1 else t
                  for t in buffers]
-        return header.numpy(), views
+        return memoryview(data)[4:], views
+
+
+def _inline_text(frame: Frame) -> str | None:
+    """A small frame whole, in the codec's contiguous layout (:mod:`mq.codec`), as latin-1
+    text; None when its buffers hold more than ``_INLINE_MAX`` bytes or a tensor off the host."""
+    if sum(frame.sizes) > _INLINE_MAX:
+        return None
+    out = bytearray(frame.size)
+    _U32.pack_into(out, 0, len(frame.header))
+    out[4:4 + len(frame.header)] = frame.header
+    pos = 4 + len(frame.header)
+    for b, n in zip(frame.buffers, frame.sizes):
+        pos = -(-pos // ALIGN) * ALIGN
+        if isinstance(b, torch.Tensor):
+            if b.device.type != "cpu":
+                return None
+            b = b.reshape(-1).view(torch.uint8).numpy() if n else b""
+        out[pos:pos + n] = memoryview(b).cast("B")
+        pos += n
+    return out.decode("latin-1")
+
+
+def _wake(waiters: set[Any]) -> None:
+    for lock in waiters:
+        _release(lock)
+
+
+def _release(lock: Any) -> None:
+    try:
+        lock.release()
+    except RuntimeError:  # released already: answered and woken both
+        pass
 
 
 def _is_loopback(host: str) -> bool:

@@ -11,6 +11,9 @@ What is measured (``modes``; A and B are processes started with the ``spawn`` me
   run measures the fan-out to one subscriber, the baseline of the N row.
 - ``stream``: A sends ``messages`` small messages (``{"i": counter, "x": size bytes}``) as fast as
   backpressure lets it, B checks the counters arrive in order without gaps and acks each burst.
+- ``call``: A calls ``q.call(1, "echo", tensor)``, B serves it with ``q.on("echo", lambda x: x)``;
+  the raw rows are the same request/reply in the raw library (``rpc_sync(_echo)``, pynng
+  ``Req0``/``Rep0``).
 
 Every mq row has a baseline measured in the same run, interleaved with it batch by batch so
 machine noise hits both:
@@ -25,8 +28,10 @@ nng, route handle   (one-way, same host) the payload lives in mq's shared-memory
                     (``q.alloc``) and goes by handle; baseline raw pynng ipc. Skipped while mq
                     has no ``alloc``/``wait_released``.
 nng stream          raw pynng ``Push0``/``Pull0`` streaming the same count, acks on a second pair
+nng call            raw pynng ``Req0`` -> ``Rep0`` echo (the address family of the route)
 nng fan-out N       the same fan-out to one subscriber
 torchrpc:cpu        raw ``rpc_sync(peer, _echo, args=(tensor,))`` on TensorPipe, no device maps
+                    (round trip and call alike)
 torchrpc:cuda       raw ``rpc_sync`` with device maps (tensors stay on the GPU)
 ==================  ===========================================================================
 
@@ -761,7 +766,8 @@ def _copies(c: _Case, messages: int) -> tuple[int, int]:
     """(payloads one sample moves, memcpys its physical bound is): a round trip moves the
     payload there and back (bound: 2 memcpy), a fan-out N payloads but shared memory copies
     it once (bound: 1 memcpy), a stream `messages` payloads (bound: that many memcpys)."""
-    return {"roundtrip": (2, 2), "fanout": (c.subscribers, 1), "stream": (messages, messages)}.get(c.mode, (1, 1))
+    return {"roundtrip": (2, 2), "call": (2, 2), "fanout": (c.subscribers, 1),
+            "stream": (messages, messages)}.get(c.mode, (1, 1))
 
 
 def _p50(res: _SizeResult | None) -> float | None:

@@ -57,6 +57,9 @@ TARGETS = (
      lambda r: _vs_raw(r) and r["mq_type"] == "nng" and r["size_bytes"] <= 20 * KB),
     ("torchrpc:cpu p50 <= 1.15x raw rpc_sync at every size", 1.15,
      lambda r: _vs_raw(r) and r["mq_type"] == "torchrpc:cpu"),
+    ("torchrpc:cpu call p50 <= 1.15x raw rpc_sync at 1.25 KB, 20 KB and 1.25 MB", 1.15,
+     lambda r: _vs_raw(r) and r["mq_type"] == "torchrpc:cpu" and r.get("mode") == "call"
+     and r["size_bytes"] in (1280, 20 * KB, 1280 * KB)),
     ("no row slower than its baseline by more than 1.5x", 1.5, _vs_raw),
 )
 

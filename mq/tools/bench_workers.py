@@ -55,7 +55,9 @@ def _hard_timeout(size: int) -> float:
 #   fanout     publish to every subscriber, receive N acks  [drop it, ack] (mq only)
 #   stream     send `messages` small messages, receive one ack for the burst
 #                                                           [check counters in order, ack]
-MODES = ("roundtrip", "oneway", "fanout", "stream")
+#   call       one request/reply: mq `q.call(1, "echo", payload)`, raw torch RPC `rpc_sync`,
+#              raw pynng `Req0`                              [q.on("echo", lambda x: x) | Rep0]
+MODES = ("roundtrip", "oneway", "fanout", "stream", "call")
 
 
 def _echo(t: Any) -> Any:
@@ -146,7 +148,7 @@ class _Endpoint:
                 if m is None:
                     continue
                 big = _nbytes(m) >= GC_EACH_BYTES
-                if self.mode == "roundtrip":
+                if self.mode in ("roundtrip", "call"):
                     self._b_echo(m)
                 elif self.mode == "stream":
                     ack = seq.feed(self._b_counter(m))
@@ -181,6 +183,11 @@ class _Endpoint:
         self._set_timeout(timeout)
         if self.mode == "stream":
             return self._stream(t)
+        if self.mode == "call":
+            t0 = time.perf_counter_ns()
+            out = self._call(t)
+            t1 = time.perf_counter_ns()
+            return t1 - t0, out
         t0 = time.perf_counter_ns()
         self._send(t)
         if self.mode == "roundtrip":
@@ -192,6 +199,11 @@ class _Endpoint:
         t1 = time.perf_counter_ns()
         self._settle(t, timeout)
         return t1 - t0, out
+
+    def _call(self, t: Any) -> Any:
+        """One request/reply with the payload; returns the answer (the echo)."""
+        self._send(t)
+        return self._recv_echo()
 
     def _stream(self, t: Any) -> tuple[int, Any]:
         x = self._item(t)
@@ -349,7 +361,10 @@ class _MqEndpoint(_Endpoint):
         if self.role == "B":
             import torch  # noqa: F401 (decoding the first tensor would import it: ~2 s, not a sample)
 
-            self._serve_in_thread()
+            if self.mode == "call":
+                self.q.on("echo", _echo)  # served by mq itself: no loop of ours
+            else:
+                self._serve_in_thread()
         return {"route": getattr(route, "kind", None), "route_reason": getattr(route, "reason", None)}
 
     # -- A
@@ -388,6 +403,9 @@ class _MqEndpoint(_Endpoint):
         return self.q.recv(timeout=self._timeout).payload
 
     _recv_ack = _recv_echo
+
+    def _call(self, t: Any) -> Any:
+        return self.q.call(1, "echo", t, timeout=self._timeout)
 
     def _send_item(self, i: int, x: Any) -> None:
         self.q.send(1, "bench", {"i": i, "x": x}, timeout=self._timeout)
@@ -463,8 +481,8 @@ class _SocketEndpoint(_Endpoint):
 
 class _PynngEndpoint(_SocketEndpoint):
     """Raw pynng, what a pynng user writes (bytes in, bytes out): ``Pair0`` for round trips and
-    one-way, ``Push0``/``Pull0`` for streams (a second pair carries B's acks back). The
-    baseline of nng rows."""
+    one-way, ``Push0``/``Pull0`` for streams (a second pair carries B's acks back), ``Req0``
+    (A) / ``Rep0`` (B) for calls. The baseline of nng rows."""
 
     def __init__(self, role: str, spec: dict[str, Any]):
         super().__init__(role, spec)
@@ -476,6 +494,10 @@ class _PynngEndpoint(_SocketEndpoint):
         """Opens tx/rx; returns the sockets in the order A listens and B dials them."""
         import pynng
 
+        if self.mode == "call":
+            kind = pynng.Req0 if self.role == "A" else pynng.Rep0
+            self.tx = self.rx = kind(recv_max_size=0, **opts)
+            return [self.tx]
         if self.mode != "stream":
             self.tx = self.rx = pynng.Pair0(recv_max_size=0, **opts)
             return [self.tx]
@@ -499,9 +521,12 @@ class _PynngEndpoint(_SocketEndpoint):
             sock.dial(address, block=True)
 
     def _greet(self) -> None:
-        self.tx.send(b"hello")
+        if self.mode != "call":  # a Rep0 speaks only when asked: A's greeting is a request
+            self.tx.send(b"hello")
 
     def _greeting(self) -> bytes:
+        if self.mode == "call":
+            self.tx.send(b"hello")  # B's serve loop echoes it
         return self.rx.recv()
 
     # -- A
@@ -633,8 +658,8 @@ class _ZmqEndpoint(_SocketEndpoint):
 
 
 class _RpcEndpoint(_Endpoint):
-    """Raw ``torch.distributed.rpc`` on TensorPipe: the baseline of torchrpc rows (round trip:
-    ``rpc_sync(_echo)``, one-way: ``rpc_sync(_ack)``)."""
+    """Raw ``torch.distributed.rpc`` on TensorPipe: the baseline of torchrpc rows (round trip
+    and call: ``rpc_sync(_echo)``, one-way: ``rpc_sync(_ack)``)."""
 
     PEER = "bench1"
 
@@ -660,7 +685,7 @@ class _RpcEndpoint(_Endpoint):
 
     def exchange(self, t: Any, timeout: float) -> tuple[int, Any]:
         stage = t.device.type != "cpu" and not self.spec.get("device_maps")
-        echo = self.mode == "roundtrip"
+        echo = self.mode in ("roundtrip", "call")
         t0 = time.perf_counter_ns()
         out = self.rpc.rpc_sync(self.PEER, _echo if echo else _ack, args=(t.cpu() if stage else t,),
                                 timeout=timeout)
