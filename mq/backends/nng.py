@@ -222,7 +222,7 @@ class NngTransport(Transport):
         if old is not None:
             old.close()
         # The frame waits in the socket's buffer until the connection is up.
-        _send_msg(sock, frame, block=True)
+        _send_msg(sock, frame)
 
     def connect(self, peer: int, info: dict[str, Any], route: Route) -> None:
         addresses = info.get("addresses") or {}
@@ -269,21 +269,26 @@ class NngTransport(Transport):
         if sock is None:
             raise PeerLost(f"node {peer} has no open link from node {self.node_id}")
         with self._out_locks[peer]:  # one writer per pipe keeps frames in order
-            try:
-                # Without blocking first: a blocking send arms NNG's timer (a wake-up of its
-                # timer thread per message, ~70 us here); most sends find room in the buffer.
-                if _send_msg(sock, frame, block=False):
-                    return None
+            msg = _new_msg(frame)
+            # Without blocking first: a blocking send arms NNG's timer, and most sends find room
+            # in the pipe's buffer. A full buffer (a busy link) waits with the same message.
+            rv = lib.nng_sendmsg(sock.socket, msg, lib.NNG_FLAG_NONBLOCK)
+            if rv == lib.NNG_EAGAIN:
                 ms = max(0, int(timeout * 1000))
                 if self._out_timeout.get(peer) != ms:  # reading the option back costs ~10 us
                     sock.send_timeout = ms
                     self._out_timeout[peer] = ms
-                _send_msg(sock, frame, block=True)
-            except pynng.Timeout:
-                raise Timeout(f"node {peer} did not take the message within {timeout:g}s: its queue "
-                              "is full (slow receiver) or it is unreachable; pass timeout= to wait longer") from None
-            except pynng.Closed:
-                raise ClosedError("the link was closed while sending (the queue is stopping)") from None
+                rv = lib.nng_sendmsg(sock.socket, msg, 0)
+            if rv != 0:
+                lib.nng_msg_free(msg)  # on failure the message is still ours
+                try:
+                    check_err(rv)
+                except pynng.Timeout:
+                    raise Timeout(f"node {peer} did not take the message within {timeout:g}s: its queue "
+                                  "is full (slow receiver) or it is unreachable; pass timeout= to wait "
+                                  "longer") from None
+                except pynng.Closed:
+                    raise ClosedError("the link was closed while sending (the queue is stopping)") from None
         return None
 
     # Receiving. One thread at a time holds the reader token and takes frames off the inbox
@@ -386,20 +391,22 @@ def _tls_files(tls: Any) -> dict[str, str] | None:
     return out
 
 
-def _send_msg(sock: pynng.Socket, frame: Frame, *, block: bool) -> bool:
-    """Write the frame into a fresh NNG message (one copy) and hand it to NNG. Without
-    ``block``: False when the socket had no room (nothing sent)."""
+def _new_msg(frame: Frame) -> Any:
+    """A fresh NNG message holding the frame in the contiguous layout (one copy)."""
     msgp = ffi.new("nng_msg **")
     check_err(lib.nng_msg_alloc(msgp, frame.size))
     msg = msgp[0]
     frame.write_into(memoryview(ffi.buffer(lib.nng_msg_body(msg), frame.size)))
-    rv = lib.nng_sendmsg(sock.socket, msg, 0 if block else lib.NNG_FLAG_NONBLOCK)
+    return msg
+
+
+def _send_msg(sock: pynng.Socket, frame: Frame) -> None:
+    """Hand the frame to NNG, waiting up to the socket's send timeout."""
+    msg = _new_msg(frame)
+    rv = lib.nng_sendmsg(sock.socket, msg, 0)
     if rv != 0:
         lib.nng_msg_free(msg)  # on failure the message is still ours
-        if rv == lib.NNG_EAGAIN and not block:
-            return False
         check_err(rv)
-    return True
 
 
 def _msg_view(msg: Any) -> memoryview:
