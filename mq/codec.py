@@ -371,7 +371,7 @@ class Codec:
             raise ProtocolError("envelope send time is not a float")
         nbytes = 0
         for b in buffers:
-            nbytes += b.nbytes if type(b) is memoryview or hasattr(b, "nbytes") else len(b)
+            nbytes += buffer_nbytes(b)
         return Envelope(kind, topic, sender, seq, corr, self.unpack(tree, buffers, shared), sent_at, nbytes)
 
     def decode_frame(self, frame: Any) -> Envelope:
@@ -454,7 +454,7 @@ class Frame:
     @classmethod
     def build(cls, kind: int, topic: str, sender: int, seq: int, corr: int, tree: bytes,
               buffers: list[Any]) -> "Frame":
-        sizes = [b.nbytes if type(b) is np.ndarray else _nbytes(b) for b in buffers] if buffers else []
+        sizes = [buffer_nbytes(b) for b in buffers] if buffers else []
         head = [VERSION, kind, topic, sender, seq, corr, tree, sizes, None, time.time()]
         return cls(kind, head, buffers, sizes)
 
@@ -571,8 +571,9 @@ def _remember_one_buffer_tree(tree: bytes, out: Any) -> None:
     _ONE_BUFFER_TREES[tree] = decode
 
 
-def _nbytes(b: Any) -> int:
-    if isinstance(b, np.ndarray):
+def buffer_nbytes(b: Any) -> int:
+    """Bytes in one frame buffer: a memoryview, numpy array, tensor or bytes-like."""
+    if type(b) is memoryview or type(b) is np.ndarray:  # the common ones first: per buffer
         return b.nbytes
     if _is_tensor(b):
         return b.numel() * b.element_size()

@@ -40,7 +40,7 @@ from mq import fanout as _fanout
 from mq import metrics as _metrics
 from mq import shm as _shm
 from mq.codec import (BYE, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELAY, RELEASE, REP_ERR,
-                      REP_OK, REQ, SUBS, Codec, Envelope, Frame)
+                      REP_OK, REQ, SUBS, Codec, Envelope, Frame, buffer_nbytes)
 from mq.errors import ClosedError, ConfigError, EncodeError, MQError, PeerLost, ProtocolError, RemoteError, Timeout
 from mq.locality import Locality, local
 from mq.routing import Route, select_route
@@ -963,7 +963,7 @@ class MQ:
                     log.debug("node %d: dropped a %s from node %d, which left", self.node_id,
                               KIND_NAMES[env.kind], peer)
             else:  # the queue's byte bound counts inline bytes (the pool bounds shared ones)
-                self._deliver(env, sum(_nbytes(b) for b in buffers) if shared else env.nbytes)
+                self._deliver(env, sum(buffer_nbytes(b) for b in buffers) if shared else env.nbytes)
         except ProtocolError as exc:
             self.on_dropped(str(exc))
         except Exception:
@@ -1490,8 +1490,7 @@ class BoundedQueue:
         if self._waiting:
             with self._space:
                 self._space.notify()
-        if nbytes >= self.BIG:
-            self._unbytes(nbytes)
+        self._unbytes(nbytes)
         return item
 
     def _unbytes(self, nbytes: int) -> None:
@@ -1505,10 +1504,6 @@ class BoundedQueue:
 
     def depth(self) -> dict[str, int]:
         return {"messages": self._items.qsize(), "bytes": self._bytes}
-
-
-def _nbytes(buf: Any) -> int:
-    return buf.nbytes if hasattr(buf, "nbytes") else len(buf)
 
 
 def _check_topic(topic: Any) -> None:

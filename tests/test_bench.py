@@ -113,6 +113,10 @@ def test_format_size_round_trips_the_default_sizes():
     (["--mode", "nope"], "nope"),
     (["--subscribers", "0"], "--subscribers"),
     (["--messages", "0"], "--messages"),
+    (["--mode", "fanout", "--hosts", "two"], "--hosts"),
+    (["--mode", "fanout", "--hosts", "0"], "--hosts"),
+    (["--mode", "fanout", "--hosts", "99"], "--hosts"),
+    (["--mode", "roundtrip", "--hosts", "2"], "--mode fanout"),
 ])
 def test_bad_options_exit_2_with_one_line(args, word):
     result = _invoke(args)

@@ -122,7 +122,7 @@ import torch
 
 from mq import device_map
 from mq.auth import seal, unseal
-from mq.codec import ALIGN, Frame, split
+from mq.codec import ALIGN, Frame, buffer_nbytes, split
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.locality import Locality, local
 from mq.rendezvous import parse_init_method
@@ -628,7 +628,7 @@ class TorchRpcTransport(Transport):
         text = (_U32.pack(len(frame.header)) + frame.header).decode("latin-1")
         staged = self.device == "cpu"
         raw = frame.buffers
-        shared = sum(_nbytes(b) for b in raw if isinstance(b, (np.ndarray, torch.Tensor))
+        shared = sum(buffer_nbytes(b) for b in raw if isinstance(b, (np.ndarray, torch.Tensor))
                      and not (staged and isinstance(b, torch.Tensor) and b.device.type != "cpu"))
         copy = not borrow and shared <= self.copy_threshold
         buffers: list[torch.Tensor] = []
@@ -644,7 +644,7 @@ class TorchRpcTransport(Transport):
             else:  # bytes: immutable, and torch wants writable memory
                 t = torch.frombuffer(bytearray(b), dtype=torch.uint8) if len(b) else _EMPTY
             buffers.append(t)
-        nbytes = len(text) + sum(_nbytes(t) for t in buffers)
+        nbytes = len(text) + sum(buffer_nbytes(t) for t in buffers)
         out = frame.layout["torchrpc"] = _Outgoing(text, buffers, nbytes, borrowed=not copy and shared > 0)
         return out
 
@@ -952,7 +952,7 @@ class TorchRpcTransport(Transport):
             with self._rx_cond:
                 inbound.consumed += 1
                 inbound.queued -= 1
-                inbound.unreported_bytes += len(text) + sum(_nbytes(t) for t in buffers)
+                inbound.unreported_bytes += len(text) + sum(buffer_nbytes(t) for t in buffers)
                 # A blocked sender gets credit in batches (half a window of frames or bytes, or
                 # all we had once we caught up), not one control frame per consumed frame.
                 credit = inbound.waiting and (
@@ -1028,12 +1028,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
         return False
-
-
-def _nbytes(buf: Any) -> int:
-    if isinstance(buf, torch.Tensor):
-        return buf.numel() * buf.element_size()
-    return memoryview(buf).nbytes
 
 
 def _settle_cuda(buffers: list[torch.Tensor]) -> None:

@@ -225,10 +225,7 @@ class TwoHosts:
         with contextlib.suppress(Exception):
             if self.host_if in list_links():
                 _ip("link", "del", self.host_if, check=False)
-        for path in self._wrappers:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        self._wrappers.clear()
+        _unlink_all(self._wrappers)
 
     def __enter__(self) -> "TwoHosts":
         return self.create()
@@ -250,10 +247,7 @@ class TwoHosts:
     def wrapper(self, python: str | None = None) -> str:
         """An executable that runs ``python "$@"`` as the second host; give it to
         :func:`multiprocessing.spawn.set_executable` to spawn workers there."""
-        fd, path = tempfile.mkstemp(prefix=f"{self.name}-", suffix=".sh")
-        with os.fdopen(fd, "w") as f:
-            f.write("#!/bin/sh\nexec " + shlex.join(self.command([python or sys.executable])) + ' "$@"\n')
-        os.chmod(path, 0o700)
+        path = _python_wrapper(self.name, self.command([python or sys.executable]))
         self._wrappers.append(path)
         return path
 
@@ -299,6 +293,22 @@ def signals_raise() -> Iterator[None]:
         for sig, handler in old.items():
             with contextlib.suppress(ValueError, OSError):
                 signal.signal(sig, handler)
+
+
+def _python_wrapper(prefix: str, command: list[str]) -> str:
+    """A private executable script that runs ``command "$@"`` (for spawn.set_executable)."""
+    fd, path = tempfile.mkstemp(prefix=f"{prefix}-", suffix=".sh")
+    with os.fdopen(fd, "w") as f:
+        f.write("#!/bin/sh\nexec " + shlex.join(command) + ' "$@"\n')
+    os.chmod(path, 0o700)
+    return path
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    paths.clear()
 
 
 def _die_with_parent() -> None:
@@ -444,10 +454,7 @@ class Hosts:
         with contextlib.suppress(Exception):
             if self.root_link and self.root_link[0] in list_links():
                 _ip("link", "del", self.root_link[0], check=False)
-        for path in self._wrappers:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        self._wrappers.clear()
+        _unlink_all(self._wrappers)
 
     def __enter__(self) -> "Hosts":
         return self.create()
@@ -464,10 +471,7 @@ class Hosts:
     def wrapper(self, host: int, python: str | None = None) -> str:
         """An executable that runs ``python "$@"`` on host ``host``; give it to
         :func:`multiprocessing.spawn.set_executable` to spawn workers there."""
-        fd, path = tempfile.mkstemp(prefix=f"{self.names[host]}-", suffix=".sh")
-        with os.fdopen(fd, "w") as f:
-            f.write("#!/bin/sh\nexec " + shlex.join(self.command(host, [python or sys.executable])) + ' "$@"\n')
-        os.chmod(path, 0o700)
+        path = _python_wrapper(self.names[host], self.command(host, [python or sys.executable]))
         self._wrappers.append(path)
         return path
 
