@@ -199,3 +199,30 @@ def test_property_tensors_roundtrip(dtype, shape, transpose):
 def test_pickle_module_not_used_by_default(monkeypatch):
     monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("pickle.loads called"))
     assert _same(sample_payload(), roundtrip(sample_payload()))
+
+
+def test_a_remembered_tree_still_checks_its_buffer():
+    # A one-tensor frame decoded once is then decoded from a table; a later frame with the same
+    # tree but a shorter or longer buffer must still be refused, never give a wrong-size view.
+    c = Codec()
+    good = c.encode(MSG, "t", 1, 1, 0, torch.arange(16, dtype=torch.float32).reshape(4, 4)).to_bytes()
+    for _ in range(2):  # the second decode takes the table
+        assert torch.equal(c.decode_frame(good).payload, torch.arange(16, dtype=torch.float32).reshape(4, 4))
+    from mq.codec import split
+    head, buffers = split(good)
+    for wrong in (buffers[0][:-4], bytes(buffers[0]) + b"\0\0\0\0"):
+        head[7] = [len(wrong)]
+        with pytest.raises(ProtocolError, match="does not match"):
+            c.decode(head, [memoryview(bytearray(wrong))])
+
+
+def test_common_payloads_decode_like_the_general_path():
+    # The fast encoder covers one tensor/array, scalars, strings and flat dicts of them; what
+    # it does not cover (subclasses, nested containers, non-str keys) goes the general way.
+    c = Codec()
+    payloads = [7, 2.5, "s", None, True, b"small", np.arange(6).reshape(2, 3),
+                torch.ones(3, dtype=torch.bfloat16), {"a": torch.ones(2), "b": 1, "c": b"x"},
+                {1: "int key"}, {"nested": {"x": np.zeros(2)}}, (1, 2)]
+    for p in payloads:
+        out = c.decode_frame(c.encode(MSG, "t", 1, 1, 0, p).to_bytes()).payload
+        assert _same(p, out), (p, out)
