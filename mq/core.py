@@ -1019,7 +1019,11 @@ class MQ:
         peer = self._admit(env, link)
         if peer is None:
             raise ProtocolError(f"node {self.node_id} refused a request claiming node {env.sender}")
-        p = self._peers[peer]
+        p = self._peers.get(peer)
+        if p is None:
+            # Its link is bound but the join is not finished on our I/O thread yet (this runs on
+            # another thread): the ordinary frame comes after the join in order.
+            return None
         if p.lost:
             return None  # as on_frame: the ordinary frame is dropped, the caller learns PeerLost
         if not self._request_slots.acquire(blocking=False):

@@ -274,6 +274,22 @@ def test_a_request_on_a_link_that_never_joined_is_refused_and_counted():
     assert ran == []
 
 
+def test_a_request_racing_its_senders_join_falls_back_to_an_ordinary_frame():
+    """torch RPC serves requests on its own threads: one can arrive after the sender's link is
+    bound but before core finished the join (seen under Slurm). It must not fail the call:
+    core answers None and the caller sends an ordinary frame, ordered after the join."""
+    from mq.codec import REQ, split
+
+    ran = []
+    with mq.create("inproc", 0) as q:
+        q.on("echo", lambda x: ran.append(x) or x)
+        head, buffers = split(q.codec.encode(REQ, "echo", 3, 0, 1, "hi").to_bytes())
+        q._bind(("rank", 3), 3)  # the join's first half, as _on_link does before _peer_joined
+        assert q.on_request(head, buffers, ("rank", 3)) is None
+        assert q.stats().rejected == {}
+    assert ran == []
+
+
 def test_insecure_nodes_talk_without_a_secret_and_say_so():
     a = mq.create("inproc", 0, insecure=True, listen_to="inproc://insecure-a")
     b = mq.create("inproc", 1, insecure=True, attach_to=["inproc://insecure-a"])
