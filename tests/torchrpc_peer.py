@@ -287,6 +287,10 @@ def no_unpickle(node_id: int, world_size: int, init_method: str) -> Any:
         q.send(other, "data", "end")
         _recv_until(q, 1)
         clean = list(calls)
+        # Both snapshots are taken before the control below: node 1's agent threads could
+        # otherwise run node 0's control request before node 1's main thread reads "end".
+        q.send(other, "data", "snapshot taken")
+        _recv_until(q, 1)
         # Positive control: a Python-function RPC (what mq never sends) does hit the traps.
         if node_id == 0:
             import torch.distributed.rpc as rpc
