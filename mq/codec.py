@@ -39,6 +39,7 @@ from mq.errors import EncodeError, ProtocolError
 
 VERSION = 2
 ALIGN = 64
+ZERO_PAD = bytes(ALIGN)  # padding between the parts of the contiguous layout
 _U32 = struct.Struct("<I")
 
 # Frame kinds. Data flows one way through them: the backend only looks at ``kind``.
@@ -300,12 +301,23 @@ class Codec:
         raise ProtocolError(f"unknown extension code {code} in payload")
 
     def _unpack_ndarray(self, data: bytes, buffers: Sequence[Any], shared: Any) -> np.ndarray:
-        dtype_str, shape, index = msgpack.unpackb(data)
-        dtype = np.dtype(dtype_str)
-        if dtype.hasobject:
-            raise ProtocolError(f"refusing numpy dtype {dtype_str!r} with object fields")
-        buf = _buffer_at(buffers, index)
-        _check_size(shape, dtype.itemsize, len(buf))
+        meta = _NDARRAY_META.get(data)
+        if meta is not None:  # seen before (a stream of same-shaped arrays): checked then
+            dtype, shape, index, nbytes = meta
+            buf = _buffer_at(buffers, index)
+            if len(buf) != nbytes:
+                raise ProtocolError(f"shape {list(shape)} x {dtype.itemsize} bytes does not match "
+                                    f"buffer of {len(buf)} bytes")
+        else:
+            dtype_str, shape, index = msgpack.unpackb(data)
+            dtype = np.dtype(dtype_str)
+            if dtype.hasobject:
+                raise ProtocolError(f"refusing numpy dtype {dtype_str!r} with object fields")
+            buf = _buffer_at(buffers, index)
+            _check_size(shape, dtype.itemsize, len(buf))
+            if len(_NDARRAY_META) >= _TREES_MAX:
+                _NDARRAY_META.clear()
+            _NDARRAY_META[data] = (dtype, tuple(shape), index, len(buf))
         if len(buf) == 0:
             return np.empty(shape, dtype=dtype)
         arr = np.frombuffer(buf, dtype=dtype).reshape(shape)
@@ -390,26 +402,47 @@ def _unpack_head(header: Any) -> Any:
 def split(frame: Any) -> tuple[list[Any], list[memoryview]]:
     """The contiguous layout (see the module docstring) -> (parsed header, buffer views), the
     buffers checked against the frame's length; :class:`ProtocolError` if they overrun it."""
-    view = memoryview(frame).cast("B")
-    if len(view) < 4:
-        raise ProtocolError(f"truncated frame of {len(view)} bytes")
-    (hlen,) = _U32.unpack_from(view, 0)
-    if 4 + hlen > len(view):
-        raise ProtocolError(f"header of {hlen} bytes overruns a {len(view)}-byte frame")
+    head, buffers, _next = _split_at(memoryview(frame).cast("B"), 0)
+    return head, buffers
+
+
+def split_batch(message: Any) -> Any:
+    """Yield (parsed header, buffer views) for each frame of a message holding one or more
+    frames in the contiguous layout back to back, each starting on a 64-byte boundary (how
+    NNG batches small frames behind a busy pipe). A malformed frame raises
+    :class:`ProtocolError` when reached; the frames before it were already yielded."""
+    view = memoryview(message).cast("B")
+    start = 0
+    while True:
+        head, buffers, start = _split_at(view, start)
+        yield head, buffers
+        if start >= len(view):
+            return
+
+
+def _split_at(view: memoryview, start: int) -> tuple[list[Any], list[memoryview], int]:
+    """One frame at ``start`` -> (header, buffers, where the next frame would start)."""
+    end = len(view)
+    if end - start < 4:
+        raise ProtocolError(f"truncated frame of {end - start} bytes")
+    (hlen,) = _U32.unpack_from(view, start)
+    if start + 4 + hlen > end:
+        raise ProtocolError(f"header of {hlen} bytes overruns a {end - start}-byte frame")
     try:
-        head = _unpack_head(view[4:4 + hlen])
+        head = _unpack_head(view[start + 4:start + 4 + hlen])
         sizes = head[7]
     except Exception as exc:
         raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
     if not isinstance(sizes, list):
         raise ProtocolError("envelope buffer sizes are not a list")
-    buffers, pos, end = [], (4 + hlen + ALIGN - 1) & -ALIGN, len(view)
+    buffers, pos = [], start + ((4 + hlen + ALIGN - 1) & -ALIGN)
     for n in sizes:
         if not (type(n) is int and 0 <= n and pos + n <= end):
-            raise ProtocolError(f"buffer of {n!r} bytes at offset {pos} overruns the {end}-byte frame")
+            raise ProtocolError(f"buffer of {n!r} bytes at offset {pos - start} overruns the "
+                                f"{end - start}-byte frame")
         buffers.append(view[pos:pos + n])
-        pos = (pos + n + ALIGN - 1) & -ALIGN
-    return head, buffers
+        pos += (n + ALIGN - 1) & -ALIGN
+    return head, buffers, pos
 
 
 def check_envelope(version: Any, kind: Any, topic: Any, sender: Any, corr: Any, tree: Any,
@@ -466,12 +499,16 @@ class Frame:
         return Frame(self.kind, head, buffers, sizes)
 
     def write_into(self, out: memoryview) -> None:
-        """The contiguous layout into ``out`` (exactly ``self.size`` writable bytes)."""
+        """The contiguous layout into ``out`` (exactly ``self.size`` writable bytes), padding
+        zeroed: ``out`` may be fresh heap memory, which must not reach the wire."""
+        end = 4 + len(self.header)
         _U32.pack_into(out, 0, len(self.header))
-        out[4:4 + len(self.header)] = self.header
+        out[4:end] = self.header
         for off, buf, n in zip(self._offsets, self.buffers, self.sizes):
+            out[end:off] = ZERO_PAD[:off - end]
             if n:
                 out[off:off + n] = memoryview(buf).cast("B")
+            end = off + n
 
     def to_bytes(self) -> bytearray:
         out = bytearray(self.size)
@@ -487,6 +524,7 @@ _SCALARS = frozenset({int, float, str, bool, type(None)})
 _TREES_MAX = 512  # distinct (dtype, shape) trees remembered; cleared when full
 _ENCODED_TREES: dict[Any, bytes] = {}  # (kind, dtype, shape) -> tree
 _ONE_BUFFER_TREES: dict[bytes, Callable[[Any], Any]] = {}  # tree -> buffer -> payload (or None)
+_NDARRAY_META: dict[bytes, tuple[Any, tuple, int, int]] = {}  # ext data -> checked (dtype, shape, index, nbytes)
 
 
 def _pack_common(payload: Any, keep_tensors: bool) -> tuple[bytes, list[Any]] | None:

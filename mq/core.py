@@ -190,6 +190,7 @@ class MQ:
         self._releases = _shm.ReleaseQueue()
         self._releaser: threading.Thread | None = None
         self._inbox: BoundedQueue = BoundedQueue(queue_size, queue_bytes)
+        self._recv_caller = threading.local()  # .active: this thread is in recv(), reading for itself
         self._handler_queue: BoundedQueue = BoundedQueue(queue_size, queue_bytes)
         self._subscriptions: dict[str, Callable[[Message], Any] | None] = {}
         self._servers: dict[str, Callable[[Any], Any]] = {}
@@ -581,7 +582,12 @@ class MQ:
                 raise Timeout(f"no message within {timeout:g}s")
             # Read the transport in this thread when it can: no hand-off from an I/O thread,
             # which is a large part of a small message's latency.
-            if not self.transport.read_in_caller(left, self._inbox_ready):
+            self._recv_caller.active = True
+            try:
+                read = self.transport.read_in_caller(left, self._inbox_ready)
+            finally:
+                self._recv_caller.active = False
+            if not read:
                 try:
                     return self._handed(self._inbox.get(timeout=left))
                 except queue.Empty:
@@ -1293,6 +1299,11 @@ class MQ:
         # Block the I/O thread while the queue is full: the transport stops reading and the
         # sender feels backpressure. Wake up now and then to notice stop(). While blocked we
         # read nobody's heartbeats, so silence is nobody's fault: liveness waits.
+        if q is self._inbox and getattr(self._recv_caller, "active", False):
+            # recv() reading for itself, its inbox empty when it started: the frames of one
+            # transport message (a batch) go in past the bound, or it would wait on itself.
+            q.put_now(item, nbytes)
+            return
         while not q.put(item, 0.2, nbytes):
             self._stalled_until = time.monotonic() + self.peer_timeout
             if self._state != "listening":
@@ -1481,6 +1492,14 @@ class BoundedQueue:
                 return False
         self._items.put((item, nbytes))
         return True
+
+    def put_now(self, item: Any, nbytes: int = 0) -> None:
+        """Add ``item`` past the bounds: for a consumer's own thread, which cannot wait for
+        itself to make room."""
+        if nbytes >= self.BIG:
+            with self._bytes_cond:
+                self._bytes += nbytes
+        self._items.put((item, nbytes))
 
     def get(self, timeout: float) -> Any:
         """Next item; raises queue.Empty after ``timeout`` seconds."""

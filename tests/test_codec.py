@@ -226,3 +226,43 @@ def test_common_payloads_decode_like_the_general_path():
     for p in payloads:
         out = c.decode_frame(c.encode(MSG, "t", 1, 1, 0, p).to_bytes()).payload
         assert _same(p, out), (p, out)
+
+
+def _batch(*frames: bytes) -> bytearray:
+    """Frames back to back, each on a 64-byte boundary: how a busy NNG pipe batches them."""
+    out = bytearray()
+    for f in frames:
+        out += bytes(-len(out) % 64) + f
+    return out
+
+
+def test_a_batch_splits_into_its_frames_in_order():
+    from mq.codec import split_batch
+    c = Codec()
+    payloads = [{"i": 0, "x": np.arange(5)}, "no buffers", torch.ones(3), {"i": 3, "x": np.zeros(0)}]
+    frames = [c.encode(MSG, "t", 1, i, 0, p).to_bytes() for i, p in enumerate(payloads)]
+    got = [c.decode(h, b) for h, b in split_batch(_batch(*frames))]
+    assert [e.seq for e in got] == [0, 1, 2, 3]
+    assert all(_same(p, e.payload) for p, e in zip(payloads, got))
+    # One frame alone is a batch of one.
+    assert len(list(split_batch(frames[0]))) == 1
+
+
+def test_a_malformed_frame_in_a_batch_stops_there_after_the_good_ones():
+    from mq.codec import split_batch
+    c = Codec()
+    good = c.encode(MSG, "t", 1, 0, 0, np.arange(4)).to_bytes()
+    frames = split_batch(_batch(good, good, b"\xff" * 10))
+    assert next(frames)[0][4] == 0 and next(frames)[0][4] == 0
+    with pytest.raises(ProtocolError):
+        next(frames)
+
+
+def test_padding_in_the_contiguous_layout_is_zeroed():
+    # NNG messages are fresh heap memory: the gaps between header and buffers must not carry
+    # whatever the allocator left there to the peer.
+    c = Codec()
+    frame = c.encode(MSG, "t", 1, 0, 0, {"a": np.arange(3, dtype=np.int8), "b": np.ones(1)})
+    out = bytearray(b"\xee" * frame.size)
+    frame.write_into(memoryview(out))
+    assert out == frame.to_bytes()  # to_bytes writes into zeroed memory

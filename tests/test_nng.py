@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -34,6 +35,20 @@ def node():
         yield q
 
 
+@contextlib.contextmanager
+def peer_process(node, mode, **env):
+    """``tests.jobs.nng_peer`` as node 1 in ``mode``, joined to ``node``; killed on exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.nng_peer", "1", node.addresses["tcp"], mode],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
 def test_hostile_frames_are_dropped_counted_and_the_node_keeps_serving(node):
     attacker = pynng.Push0(send_timeout=2000)
     attacker.dial(node.addresses["tcp"], block=True)
@@ -64,10 +79,7 @@ def test_pickled_payload_from_the_network_is_refused_by_default(node):
 
 
 def test_send_to_sigkilled_peer_raises_peer_lost_quickly_and_stop_is_bounded(node):
-    proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.nng_peer", "1", node.addresses["tcp"], "hang"],
-                            cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
+    with peer_process(node, "hang") as proc:
         node.wait_for_peers(ids=[1], timeout=10)
         assert node.call(1, "echo", 5, timeout=5) == 5
         proc.send_signal(signal.SIGKILL)
@@ -81,31 +93,23 @@ def test_send_to_sigkilled_peer_raises_peer_lost_quickly_and_stop_is_bounded(nod
         with pytest.raises(mq.PeerLost):
             node.call(1, "echo", 1, timeout=2)
         assert 1 not in node.peers()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
     t0 = time.monotonic()
     node.stop(timeout=3)
     assert time.monotonic() - t0 < 4
 
 
 def test_pending_call_fails_with_peer_lost_when_the_peer_dies(node):
-    proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.nng_peer", "1", node.addresses["tcp"], "hang"],
-                            cwd=REPO, stdout=subprocess.PIPE, text=True)
-    killer = threading.Timer(1.0, proc.kill)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
+    with peer_process(node, "hang") as proc:
         node.wait_for_peers(ids=[1], timeout=10)
+        killer = threading.Timer(1.0, proc.kill)
         killer.start()
-        t0 = time.monotonic()
-        with pytest.raises(mq.PeerLost, match="node 1"):
-            node.call(1, "slow", None, timeout=30)
-        assert time.monotonic() - t0 < 5
-    finally:
-        killer.cancel()
-        proc.kill()
-        proc.wait(5)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(mq.PeerLost, match="node 1"):
+                node.call(1, "slow", None, timeout=30)
+            assert time.monotonic() - t0 < 5
+        finally:
+            killer.cancel()
 
 
 def listen_all(nodes):
@@ -188,6 +192,9 @@ def test_bad_create_options():
         mq.create("nng", 0, bogus=1)
     with pytest.raises(mq.ConfigError, match="protocol must be auto, tcp or ipc"):
         mq.create("nng", 0, protocol="udp")
+    for bad in (-1e-6, 1.0, "100us", None, True):
+        with pytest.raises(mq.ConfigError, match="batch_window must be seconds between 0 and 0.01"):
+            mq.create("nng", 0, batch_window=bad)
 
 
 def test_listen_on_a_busy_port_says_so():
@@ -239,3 +246,37 @@ def test_calls_and_handlers_are_served_while_another_thread_waits_in_recv(node):
         peer.send(0, "data", 42)
         waiter.join(5)
         assert [m.payload for m in got] == [42]
+
+
+def test_a_burst_behind_a_busy_pipe_is_batched_lossless_and_in_order(node):
+    # A stream to a receiver that reads nothing for a second: frames queue in the sender's
+    # outbox and go many to an NNG message; every one arrives, in order, none twice, though the
+    # receiver's queue holds 2 and its recv() reads whole batches for itself.
+    n = 5000
+    with peer_process(node, "count", MQ_TEST_COUNT=str(n)):
+        node.subscribe("counted")
+        node.wait_for_subscribers("work", 1, timeout=10)
+        x = np.arange(1024, dtype=np.float32)  # 20 MB in all: more than the sockets' buffers
+        for i in range(n):
+            node.send(1, "work", {"i": i, "x": x}, timeout=20)
+        report = node.recv(timeout=30).payload
+    assert report["got"] == list(range(n))
+    assert report["batched"] >= n // 4 and report["largest"] > 8, report
+
+
+def test_request_reply_goes_straight_to_nng_and_a_stream_is_batched(node):
+    # Replies in between mark request/reply: each request leaves at once, not through the
+    # flusher thread (its hand-off would add latency). Back-to-back sends are a stream.
+    with peer_process(node, "hang"):
+        node.wait_for_peers(ids=[1], timeout=10)
+        node.wait_for_subscribers("work", 1, timeout=10)
+        outbox = node.transport._out[1]
+        before = outbox.queued
+        for i in range(200):
+            assert node.call(1, "echo", i, timeout=5) == i
+        # (A heartbeat sent just before a request may make that one request look like a stream.)
+        assert outbox.queued - before <= 5, "request/reply exchanges went through the flusher"
+        for i in range(200):
+            node.send(1, "work", i, timeout=5)
+        assert outbox.queued > before + 100, "a stream of sends was not queued for batching"
+        assert node.call(1, "echo", "after", timeout=5) == "after"  # ordered behind the stream

@@ -13,7 +13,9 @@ bootstrap socket closes once the peer's own link is up.
 
 Frames use the contiguous layout of :mod:`mq.codec`, written straight into NNG messages; received
 messages are split in place: arrays and tensors are views of NNG's buffer, freed with the last
-view.
+view. A frame goes to NNG at once while its pipe is free; behind a busy pipe, frames wait in the
+peer's outbox (``send_buffer`` of them before ``send`` waits) and small ones leave many to one
+NNG message, back to back in the same layout, so a stream pays NNG's per-message cost per batch.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import pynng
 from pynng import ffi, lib
 from pynng.exceptions import check_err
 
-from mq.codec import Frame, split
+from mq.codec import ALIGN, ZERO_PAD, Frame, split_batch
 from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError, Timeout
 from mq.locality import local
 from mq.rendezvous import Rendezvous, attach_targets
@@ -43,6 +45,9 @@ SUPPORTED_ROUTES = ("inproc", "ipc", "tcp")
 # After a recv() caller leaves, the I/O thread waits this long before reading for itself.
 _CALLER_GRACE_S = 0.002
 _SCHEMES = ("tcp://", "tls+tcp://", "ipc://", "abstract://", "inproc://")
+# Behind a busy pipe, frames up to this size share one NNG message, up to BATCH_BYTES a message.
+BATCH_FRAME_MAX = 16 << 10
+BATCH_BYTES = 256 << 10
 
 
 def check_address(address: str, what: str = "address") -> str:
@@ -68,7 +73,10 @@ class NngTransport(Transport):
         attach_to: addresses of peers to join. The peers dial back, so one side is enough.
         protocol: ``auto`` (best route per peer: ``shm`` on the same host), ``tcp`` or ``ipc``
             (force that socket for every peer except peers in this process, bytes included).
-        send_buffer: frames buffered per outgoing pipe before ``send`` waits.
+        send_buffer: frames queued per peer behind a busy pipe before ``send`` waits.
+        batch_window: seconds. A frame sent to a peer this soon after the previous one, with
+            nothing received meanwhile (a stream, not request/reply), queues behind it and
+            leaves batched from the peer's flusher thread; 0 batches only behind a busy pipe.
         init_method: ``tcp://host:port``, ``env://`` or ``file://path``: find peers through a
             rendezvous store instead of ``attach_to`` (needs ``world_size``).
         topology: with ``init_method``, which peers to dial: ``mesh``, ``star`` or ``alone``.
@@ -80,7 +88,8 @@ class NngTransport(Transport):
     name = "nng"
 
     def __init__(self, node_id: int, *, listen_to: str | None = None, attach_to: Iterable[str] = (),
-                 protocol: str = "auto", send_buffer: int = 64, init_method: str | None = None,
+                 protocol: str = "auto", send_buffer: int = 64, batch_window: float = 100e-6,
+                 init_method: str | None = None,
                  world_size: int | None = None, topology: str = "mesh", tls: Any = None,
                  timeout: float = 30.0):
         if protocol not in ("auto", "tcp", "ipc"):
@@ -110,16 +119,19 @@ class NngTransport(Transport):
         if not isinstance(send_buffer, int) or send_buffer < 1:
             raise ConfigError(f"send_buffer must be an int >= 1, got {send_buffer!r}")
         self.send_buffer = send_buffer
+        if type(batch_window) not in (int, float) or not 0 <= batch_window <= 0.01:
+            raise ConfigError(f"batch_window must be seconds between 0 and 0.01 (e.g. 100e-6), "
+                              f"got {batch_window!r}")
+        self.batch_window = float(batch_window)
+        self.received = 0  # NNG messages taken off the inbox: the outboxes tell streams from replies
         self.incarnation = uuid.uuid4().hex
         self._tls = _tls_files(tls)
         self.addresses: dict[str, str] = {}
         self._node: Events | None = None
         self._state = "new"
         self._inbox_sock: pynng.Pull0 | None = None
-        self._out: dict[int, pynng.Push0] = {}
+        self._out: dict[int, _Outbox] = {}
         self._out_incarnation: dict[int, Any] = {}
-        self._out_locks: dict[int, threading.Lock] = {}
-        self._out_timeout: dict[int, int] = {}
         self._bootstrap: dict[str, pynng.Push0] = {}  # greeting token -> its socket
         self._bootstrap_to: dict[str, str] = {}  # target -> its latest greeting token
         self._reader: threading.Thread | None = None
@@ -191,9 +203,12 @@ class NngTransport(Transport):
         deadline = time.monotonic() + timeout
         self._state = "stopped"
         with self._net_lock:
-            sockets = list(self._out.values()) + list(self._bootstrap.values())
+            outboxes = list(self._out.values())
+            sockets = list(self._bootstrap.values())
             self._out.clear()
             self._bootstrap.clear()
+        for box in outboxes:
+            box.close()
         for s in sockets:
             s.close()
         if self._inbox_sock is not None:
@@ -237,8 +252,6 @@ class NngTransport(Transport):
                 self._out.pop(peer).close()
             self._out[peer] = self._dial_peer(peer, check_address(address, f"node {peer}'s address"))
             self._out_incarnation[peer] = info.get("incarnation")
-            self._out_timeout.pop(peer, None)
-            self._out_locks.setdefault(peer, threading.Lock())
             # An ACK echoes the token of our HELLO: its bootstrap socket did its job.
             boot = self._bootstrap.pop(info.get("token"), None) if isinstance(info.get("token"), str) else None
         if boot is not None:
@@ -246,49 +259,32 @@ class NngTransport(Transport):
 
     def disconnect(self, peer: int) -> None:
         with self._net_lock:
-            sock = self._out.pop(peer, None)
+            box = self._out.pop(peer, None)
             self._out_incarnation.pop(peer, None)
-        if sock is not None:
-            sock.close()  # a send blocked on it returns (Closed) at once
+        if box is not None:
+            box.close()  # a send waiting on it returns (ClosedError) at once
 
-    def _dial_peer(self, peer_id: int, address: str) -> pynng.Push0:
-        sock = self._push(address, send_buffer_size=self.send_buffer)
+    def _dial_peer(self, peer_id: int, address: str) -> "_Outbox":
+        # No NNG send buffer: the outbox queues behind a busy pipe itself, and batches there.
+        sock = self._push(address, send_buffer_size=0)
+        box = _Outbox(sock, self.send_buffer, f"mq{self.node_id}-to-{peer_id}", self.batch_window,
+                      lambda: self.received)
 
         def removed(_pipe: Any) -> None:
             # The peer's process died or closed: a later send fails fast with PeerLost.
-            if self._state == "listening" and self._out.get(peer_id) is sock and self._node:
+            if self._state == "listening" and self._out.get(peer_id) is box and self._node:
                 self._node.on_link_lost(peer_id, "disconnected (its process died or closed the link)")
 
         sock.add_post_pipe_remove_cb(removed)
         sock.dial(address, block=False)
-        return sock
+        return box
 
     # ------------------------------------------------------------------ moving frames
     def send(self, peer: int, frame: Frame, timeout: float) -> None:
-        sock = self._out.get(peer)
-        if sock is None:
+        box = self._out.get(peer)
+        if box is None:
             raise PeerLost(f"node {peer} has no open link from node {self.node_id}")
-        with self._out_locks[peer]:  # one writer per pipe keeps frames in order
-            msg = _new_msg(frame)
-            # Without blocking first: a blocking send arms NNG's timer, and most sends find room
-            # in the pipe's buffer. A full buffer (a busy link) waits with the same message.
-            rv = lib.nng_sendmsg(sock.socket, msg, lib.NNG_FLAG_NONBLOCK)
-            if rv == lib.NNG_EAGAIN:
-                ms = max(0, int(timeout * 1000))
-                if self._out_timeout.get(peer) != ms:  # reading the option back costs ~10 us
-                    sock.send_timeout = ms
-                    self._out_timeout[peer] = ms
-                rv = lib.nng_sendmsg(sock.socket, msg, 0)
-            if rv != 0:
-                lib.nng_msg_free(msg)  # on failure the message is still ours
-                try:
-                    check_err(rv)
-                except pynng.Timeout:
-                    raise Timeout(f"node {peer} did not take the message within {timeout:g}s: its queue "
-                                  "is full (slow receiver) or it is unreachable; pass timeout= to wait "
-                                  "longer") from None
-                except pynng.Closed:
-                    raise ClosedError("the link was closed while sending (the queue is stopping)") from None
+        box.send(peer, frame, timeout)
         return None
 
     # Receiving. One thread at a time holds the reader token and takes frames off the inbox
@@ -334,19 +330,27 @@ class NngTransport(Transport):
         with self._readers_changed:
             self._callers_reading += 1
         try:
-            if not self._read_token.acquire(timeout=timeout):
-                return True
+            # The I/O thread may hold the token while it delivers a batch into our full queue:
+            # look at the queue between short waits, or we would wait on each other.
+            deadline = time.monotonic() + timeout
+            while not self._read_token.acquire(timeout=_CALLER_GRACE_S):
+                if ready() or time.monotonic() >= deadline:
+                    return True
             try:
                 if ready():  # the I/O thread delivered what the caller waits for meanwhile
                     return True
-                # A power of two at most the time left: the option (a syscall-free but slow
-                # setter) keeps its value across calls; a wait cut short just loops in recv().
-                ms = 1 << max(0, int(timeout * 1000)).bit_length() - 1 if timeout >= 0.001 else 1
-                if ms != self._recv_timeout_ms:
-                    check_err(lib.nng_socket_set_ms(sock.socket, b"recv-timeout", ms))
-                    self._recv_timeout_ms = ms
+                # A frame already waiting (a busy link) is taken without a timeout: a timed
+                # receive arms NNG's timer thread, which cost a stream ~40 us per frame.
                 msgp = ffi.new("nng_msg **")
-                rv = lib.nng_recvmsg(sock.socket, msgp, 0)
+                rv = lib.nng_recvmsg(sock.socket, msgp, lib.NNG_FLAG_NONBLOCK)
+                if rv == lib.NNG_EAGAIN:
+                    # A power of two at most the time left: the option (a syscall-free but slow
+                    # setter) keeps its value across calls; a wait cut short loops in recv().
+                    ms = 1 << max(0, int(timeout * 1000)).bit_length() - 1 if timeout >= 0.001 else 1
+                    if ms != self._recv_timeout_ms:
+                        check_err(lib.nng_socket_set_ms(sock.socket, b"recv-timeout", ms))
+                        self._recv_timeout_ms = ms
+                    rv = lib.nng_recvmsg(sock.socket, msgp, 0)
                 if rv == 0:
                     self._handle_frame(msgp[0])
                 elif rv == lib.NNG_ECLOSED:
@@ -362,17 +366,165 @@ class NngTransport(Transport):
                 self._last_caller_exit = time.monotonic()
 
     def _handle_frame(self, msg: Any) -> None:
+        """Deliver the frames of one NNG message (one, or a batch from a busy pipe) in order."""
+        self.received += 1
         link = ("pipe", lib.nng_pipe_id(lib.nng_msg_get_pipe(msg)))
-        frame = _msg_view(msg)
+        message = _msg_view(msg)
         assert self._node is not None
+        frames = split_batch(message)
+        del message  # the views of each frame keep the message alive, no longer
         try:
-            header, buffers = split(frame)
-        except ProtocolError as exc:
-            self._node.on_dropped(f"{len(frame)}-byte frame: {exc}")
-            return
-        finally:
-            del frame  # do not hold the last message while waiting for the next
-        self._node.on_frame(header, buffers, link)
+            for header, buffers in frames:
+                self._node.on_frame(header, buffers, link)
+        except ProtocolError as exc:  # from splitting: on_frame reports its own
+            self._node.on_dropped(f"frame in a message from {link}: {exc}")
+
+
+class _Outbox:
+    """One peer's outgoing pipe. A frame goes straight to NNG while the link is idle (its
+    latency is one NNG send). Behind a busy pipe, or in a stream (a frame within
+    ``batch_window`` of the previous one, nothing received in between), frames queue here, at
+    most ``limit`` before ``send`` waits, and a flusher thread sends them in order, small ones
+    many to an NNG message (the contiguous layout back to back, :func:`mq.codec.split_batch`):
+    a stream pays NNG's per-message cost once per batch instead of once per frame.
+
+    Small queued frames are kept as bytes, not NNG messages: making one is a C call that lets
+    the flusher take the GIL, which splits a stream into batches of one or two."""
+
+    def __init__(self, sock: pynng.Push0, limit: int, name: str, batch_window: float = 0.0,
+                 received: Callable[[], int] = lambda: 0):
+        self.sock = sock
+        self.limit = limit
+        self.name = name
+        self.batch_window = batch_window
+        self.received = received  # the transport's count of messages received
+        self._last_sent = -1.0  # perf_counter() of the last send, and what had been received then
+        self._last_received = -1
+        self.cond = threading.Condition()
+        # Copies of the frames, oldest first: bytearrays (small, batched) or NNG messages (sent alone).
+        self.pending: list[Any] = []
+        self.flushing = False  # the flusher holds a batch taken from ``pending``
+        self.closed = False
+        self._flusher: threading.Thread | None = None
+        self._flusher_idle = False  # waiting for frames: a queued frame must wake it
+        self.queued = 0  # frames that went through ``pending`` (the rest went straight to NNG)
+
+    def send(self, peer: int, frame: Frame, timeout: float) -> None:
+        with self.cond:
+            now, received = time.perf_counter(), self.received()
+            streaming = now - self._last_sent < self.batch_window and received == self._last_received
+            self._last_sent, self._last_received = now, received
+            if not self.pending and not self.flushing and not self.closed and not streaming:
+                msg = _new_msg(frame)
+                rv = lib.nng_sendmsg(self.sock.socket, msg, lib.NNG_FLAG_NONBLOCK)
+                if rv == 0:
+                    return
+                if rv != lib.NNG_EAGAIN:
+                    lib.nng_msg_free(msg)  # on failure the message is still ours
+                    _raise_send_error(rv)
+                self._queue(msg)  # the pipe is busy (or still connecting)
+                return
+            if len(self.pending) >= self.limit:
+                deadline = time.monotonic() + timeout
+                while len(self.pending) >= self.limit and not self.closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Timeout(f"node {peer} did not take the message within {timeout:g}s: its "
+                                      "queue is full (slow receiver) or it is unreachable; pass "
+                                      "timeout= to wait longer")
+                    self.cond.wait(left)
+            if self.closed:
+                raise ClosedError("the link was closed while sending (the queue is stopping)")
+            self._queue(frame.to_bytes() if frame.size <= BATCH_FRAME_MAX else _new_msg(frame))
+
+    def _queue(self, item: Any) -> None:
+        self.pending.append(item)
+        self.queued += 1
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, daemon=True, name=self.name)
+            self._flusher.start()
+        elif self._flusher_idle:  # else it finds the frame when its send returns
+            self.cond.notify_all()
+
+    def _flush_loop(self) -> None:
+        # No send timeout: a blocking send with one arms NNG's timer thread per message; close()
+        # ends a send waiting on a peer that stopped reading.
+        self.sock.send_timeout = -1
+        while True:
+            with self.cond:
+                while not self.pending and not self.closed:
+                    self._flusher_idle = True
+                    self.cond.wait()
+                    self._flusher_idle = False
+                if self.closed:
+                    return
+                batch = self._take_batch()
+                self.flushing = True
+                self.cond.notify_all()  # room in ``pending`` for waiting senders
+            msg = _message_of(batch) if type(batch[0]) is bytearray else batch[0]
+            rv = lib.nng_sendmsg(self.sock.socket, msg, 0)
+            with self.cond:
+                self.flushing = False
+                self.cond.notify_all()
+                if rv != 0:
+                    lib.nng_msg_free(msg)
+                    if rv != lib.NNG_ECLOSED:
+                        log.warning("%s: dropped %d frame(s): %s", self.name, len(batch),
+                                    ffi.string(lib.nng_strerror(rv)).decode())
+                    self._close_locked()
+                    return
+
+    def _take_batch(self) -> list[Any]:
+        """The oldest pending frame, plus the small ones after it that fit one message."""
+        n = 1
+        if type(self.pending[0]) is bytearray:
+            total = len(self.pending[0])
+            for item in self.pending[1:]:
+                if type(item) is not bytearray:
+                    break
+                total = ((total + ALIGN - 1) & -ALIGN) + len(item)
+                if total > BATCH_BYTES:
+                    break
+                n += 1
+        batch, self.pending = self.pending[:n], self.pending[n:]
+        return batch
+
+    def close(self) -> None:
+        with self.cond:
+            self._close_locked()
+        self.sock.close()  # ends a flusher's send waiting on the peer
+
+    def _close_locked(self) -> None:
+        self.closed = True
+        for item in self.pending:
+            if type(item) is not bytearray:
+                lib.nng_msg_free(item)
+        self.pending = []
+        self.cond.notify_all()
+
+
+def _message_of(frames: list[bytearray]) -> Any:
+    """One NNG message holding ``frames`` back to back, each on a 64-byte boundary."""
+    size = 0
+    for f in frames:
+        size = ((size + ALIGN - 1) & -ALIGN) + len(f)
+    msgp = ffi.new("nng_msg **")
+    check_err(lib.nng_msg_alloc(msgp, size))
+    out = memoryview(ffi.buffer(lib.nng_msg_body(msgp[0]), size))
+    pos = 0
+    for f in frames:
+        start = (pos + ALIGN - 1) & -ALIGN
+        out[pos:start] = ZERO_PAD[:start - pos]  # no stale heap bytes on the wire
+        out[start:start + len(f)] = f
+        pos = start + len(f)
+    return msgp[0]
+
+
+def _raise_send_error(rv: int) -> None:
+    try:
+        check_err(rv)
+    except pynng.Closed:
+        raise ClosedError("the link was closed while sending (the queue is stopping)") from None
 
 
 def _tls_files(tls: Any) -> dict[str, str] | None:

@@ -1,7 +1,9 @@
 """A standalone nng node for tests: `python -m tests.jobs.nng_peer NODE_ID ATTACH_ADDR MODE`.
 
 Modes: ``hang`` serves and sleeps; ``stall`` never reads "work" with a 2-message queue (its
-senders block); ``small`` accepts frames of at most 1 MiB.
+senders block); ``small`` accepts frames of at most 1 MiB; ``count`` reads nothing for a
+second, then takes ``MQ_TEST_COUNT`` "work" messages through a 2-message queue (a batch holds more) and sends node 0 what arrived: their
+counters in order, and how many came batched (several frames to an NNG message).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import mq
 
 def main() -> None:
     node_id, attach, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    options = {"stall": {"queue_size": 2}, "small": {"max_frame_bytes": 1 << 20}}.get(mode, {})
+    options = {"stall": {"queue_size": 2}, "small": {"max_frame_bytes": 1 << 20},
+               "count": {"queue_size": 2}}.get(mode, {})
     if os.environ.get("MQ_TEST_TLS"):  # {"cert","key","ca"} as JSON: links over TLS
         options.update(tls=json.loads(os.environ["MQ_TEST_TLS"]), protocol="tcp")
     if os.environ.get("MQ_TEST_LISTEN"):  # another "host": listen where the test can dial back
@@ -28,7 +31,29 @@ def main() -> None:
         q.subscribe("work")
         q.wait_for_peers(1, timeout=20)
         print("ready", flush=True)
+        if mode == "count":
+            count(q, int(os.environ["MQ_TEST_COUNT"]))
         time.sleep(600)  # the test stops or SIGKILLs us
+
+
+def count(q: mq.MQ, n: int) -> None:
+    per_message: list[int] = []  # frames in each NNG message received
+    handle, on_frame = q.transport._handle_frame, q.on_frame
+
+    def counted_message(msg):
+        per_message.append(0)
+        handle(msg)
+
+    def counted_frame(*args):
+        if per_message:
+            per_message[-1] += 1
+        on_frame(*args)
+
+    q.transport._handle_frame, q.on_frame = counted_message, counted_frame
+    time.sleep(1.0)  # the sender's pipe backs up meanwhile
+    got = [q.recv(timeout=20).payload["i"] for _ in range(n)]
+    q.send(0, "counted", {"got": got, "batched": sum(k for k in per_message if k > 1),
+                          "largest": max(per_message)})
 
 
 if __name__ == "__main__":
