@@ -409,7 +409,7 @@ def split(frame: Any) -> tuple[list[Any], list[memoryview]]:
 def split_batch(message: Any) -> Any:
     """Yield (parsed header, buffer views) for each frame of a message holding one or more
     frames in the contiguous layout back to back, each starting on a 64-byte boundary (how
-    NNG batches small frames behind a busy pipe). A malformed frame raises
+    the nng transport batches a stream's small frames). A malformed frame raises
     :class:`ProtocolError` when reached; the frames before it were already yielded."""
     view = memoryview(message).cast("B")
     start = 0

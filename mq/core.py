@@ -190,7 +190,7 @@ class MQ:
         self._releases = _shm.ReleaseQueue()
         self._releaser: threading.Thread | None = None
         self._inbox: BoundedQueue = BoundedQueue(queue_size, queue_bytes)
-        self._recv_caller = threading.local()  # .active: this thread is in recv(), reading for itself
+        self._recv_caller = _RecvCaller()
         self._handler_queue: BoundedQueue = BoundedQueue(queue_size, queue_bytes)
         self._subscriptions: dict[str, Callable[[Message], Any] | None] = {}
         self._servers: dict[str, Callable[[Any], Any]] = {}
@@ -1299,7 +1299,7 @@ class MQ:
         # Block the I/O thread while the queue is full: the transport stops reading and the
         # sender feels backpressure. Wake up now and then to notice stop(). While blocked we
         # read nobody's heartbeats, so silence is nobody's fault: liveness waits.
-        if q is self._inbox and getattr(self._recv_caller, "active", False):
+        if q is self._inbox and self._recv_caller.active:
             # recv() reading for itself, its inbox empty when it started: the frames of one
             # transport message (a batch) go in past the bound, or it would wait on itself.
             q.put_now(item, nbytes)
@@ -1447,6 +1447,13 @@ def _seconds(value: Any, name: str) -> float:
 def _on_cpu(buf: Any) -> bool:
     device = getattr(buf, "device", None)
     return device is None or getattr(device, "type", "cpu") == "cpu"
+
+
+class _RecvCaller(threading.local):
+    """Per thread: ``active`` while this thread is in ``recv()``, reading for itself. (A class
+    default, not getattr(..., False): a missing attribute costs an exception per message.)"""
+
+    active = False
 
 
 class BoundedQueue:

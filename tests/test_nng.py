@@ -280,3 +280,25 @@ def test_request_reply_goes_straight_to_nng_and_a_stream_is_batched(node):
             node.send(1, "work", i, timeout=5)
         assert outbox.queued > before + 100, "a stream of sends was not queued for batching"
         assert node.call(1, "echo", "after", timeout=5) == "after"  # ordered behind the stream
+
+
+def test_peer_sigkilled_mid_stream_fails_the_sender_fast(node):
+    # Back-to-back sends queue in the outbox (a stream); the peer dies under it. The sender
+    # gets PeerLost within seconds, whether it was queueing or waiting for room, never hangs.
+    with peer_process(node, "hang") as proc:
+        node.wait_for_peers(ids=[1], timeout=10)
+        node.wait_for_subscribers("work", 1, timeout=10)
+        killer = threading.Timer(0.5, proc.kill)
+        killer.start()
+        t0 = time.monotonic()
+        sent = 0
+        with pytest.raises(mq.PeerLost):
+            while time.monotonic() - t0 < 20:
+                node.send(1, "work", {"i": sent, "x": np.zeros(256, np.float32)}, timeout=10)
+                sent += 1
+        assert time.monotonic() - t0 < 6, f"PeerLost after {time.monotonic() - t0:.1f}s"
+        assert node.transport._out.get(1) is None and 1 not in node.peers()
+        assert sent > 100  # it was streaming when the peer died
+    t0 = time.monotonic()
+    node.stop(timeout=3)
+    assert time.monotonic() - t0 < 4

@@ -122,6 +122,10 @@ class _Endpoint:
         self._sent = 0  # stream counter, continued across bursts
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # B collects after a big message (GC_EACH_BYTES): not when what arrives is a view of the
+        # sender's pool (by handle), where the collection, still running as A's next sample
+        # starts, would be all that sample measures.
+        self._collect_big = spec.get("route") != "handle"
 
     # -- life cycle
     def prepare(self) -> dict[str, Any]:
@@ -147,7 +151,7 @@ class _Endpoint:
                 m = self._b_recv(0.5)
                 if m is None:
                     continue
-                big = _nbytes(m) >= GC_EACH_BYTES
+                big = self._collect_big and _nbytes(m) >= GC_EACH_BYTES
                 if self.mode in ("roundtrip", "call"):
                     self._b_echo(m)
                 elif self.mode == "stream":

@@ -18,6 +18,7 @@ Counting twice (N1 and N2 messages) and dividing the difference by N2 - N1 remov
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -98,6 +99,11 @@ def run(messages: int, payload: str) -> float:
     a, b = pair()
     make = PAYLOADS[payload]
     value = make()
+    # The cyclic collector runs when allocations cross its thresholds: whether a full
+    # collection (millions of instructions with torch loaded) falls inside a run or not would
+    # swing the count by ~10%, so it waits until the loop is done.
+    gc.collect()
+    gc.disable()
     try:
         t0 = time.perf_counter()
         for _ in range(messages):
@@ -105,6 +111,7 @@ def run(messages: int, payload: str) -> float:
             a.recv(timeout=1)
         return (time.perf_counter() - t0) / messages
     finally:
+        gc.enable()
         b.stop(1)
         a.stop(1)
 
@@ -115,7 +122,8 @@ def callgrind(messages: int, payload: str) -> int:
         out = os.path.join(tmp, "cg.out")
         subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
                         sys.executable, "-m", "mq.tools.hotpath", "--messages", str(messages),
-                        "--payload", payload], check=True, capture_output=True, timeout=1800)
+                        "--payload", payload], check=True, capture_output=True, timeout=1800,
+                       env={**os.environ, "PYTHONHASHSEED": "0"})  # same dict layouts every run
         with open(out) as f:
             for line in f:
                 if line.startswith("summary:") or line.startswith("totals:"):
