@@ -248,7 +248,8 @@ def test_calls_and_handlers_are_served_while_another_thread_waits_in_recv(node):
         assert [m.payload for m in got] == [42]
 
 
-def test_a_burst_behind_a_busy_pipe_is_batched_lossless_and_in_order(node):
+def test_a_burst_behind_a_busy_pipe_is_batched_lossless_and_in_order(batching_node):
+    node = batching_node
     # A stream to a receiver that reads nothing for a second: frames queue in the sender's
     # outbox and go many to an NNG message; every one arrives, in order, none twice, though the
     # receiver's queue holds 2 and its recv() reads whole batches for itself.
@@ -264,7 +265,15 @@ def test_a_burst_behind_a_busy_pipe_is_batched_lossless_and_in_order(node):
     assert report["batched"] >= n // 4 and report["largest"] > 8, report
 
 
-def test_request_reply_goes_straight_to_nng_and_a_stream_is_batched(node):
+@pytest.fixture
+def batching_node():
+    q = mq.create("nng", 0, "learner", listen_to="tcp://127.0.0.1:0", timeout=5, batch_window=100e-6)
+    with q:
+        yield q
+
+
+def test_request_reply_goes_straight_to_nng_and_a_stream_is_batched(batching_node):
+    node = batching_node
     # Replies in between mark request/reply: each request leaves at once, not through the
     # flusher thread (its hand-off would add latency). Back-to-back sends are a stream.
     with peer_process(node, "hang"):
@@ -282,7 +291,8 @@ def test_request_reply_goes_straight_to_nng_and_a_stream_is_batched(node):
         assert node.call(1, "echo", "after", timeout=5) == "after"  # ordered behind the stream
 
 
-def test_peer_sigkilled_mid_stream_fails_the_sender_fast(node):
+def test_peer_sigkilled_mid_stream_fails_the_sender_fast(batching_node):
+    node = batching_node
     # Back-to-back sends queue in the outbox (a stream); the peer dies under it. The sender
     # gets PeerLost within seconds, whether it was queueing or waiting for room, never hangs.
     with peer_process(node, "hang") as proc:

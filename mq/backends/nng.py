@@ -74,9 +74,10 @@ class NngTransport(Transport):
         protocol: ``auto`` (best route per peer: ``shm`` on the same host), ``tcp`` or ``ipc``
             (force that socket for every peer except peers in this process, bytes included).
         send_buffer: frames queued per peer behind a busy pipe before ``send`` waits.
-        batch_window: seconds. A frame sent to a peer this soon after the previous one, with
-            nothing received meanwhile (a stream, not request/reply), queues behind it and
-            leaves batched from the peer's flusher thread; 0 batches only behind a busy pipe.
+        batch_window: seconds (opt-in, e.g. ``100e-6``). A frame sent to a peer this soon
+            after the previous one, with nothing received meanwhile (a stream, not
+            request/reply), queues behind it and leaves batched from the peer's flusher thread;
+            0 (the default) batches only behind a full pipe.
         init_method: ``tcp://host:port``, ``env://`` or ``file://path``: find peers through a
             rendezvous store instead of ``attach_to`` (needs ``world_size``).
         topology: with ``init_method``, which peers to dial: ``mesh``, ``star`` or ``alone``.
@@ -88,7 +89,7 @@ class NngTransport(Transport):
     name = "nng"
 
     def __init__(self, node_id: int, *, listen_to: str | None = None, attach_to: Iterable[str] = (),
-                 protocol: str = "auto", send_buffer: int = 64, batch_window: float = 100e-6,
+                 protocol: str = "auto", send_buffer: int = 64, batch_window: float = 0.0,
                  init_method: str | None = None,
                  world_size: int | None = None, topology: str = "mesh", tls: Any = None,
                  timeout: float = 30.0):
@@ -265,8 +266,7 @@ class NngTransport(Transport):
             box.close()  # a send waiting on it returns (ClosedError) at once
 
     def _dial_peer(self, peer_id: int, address: str) -> "_Outbox":
-        # No NNG send buffer: the outbox queues behind a busy pipe itself, and batches there.
-        sock = self._push(address, send_buffer_size=0)
+        sock = self._push(address, send_buffer_size=self.send_buffer)
         box = _Outbox(sock, self.send_buffer, f"mq{self.node_id}-to-{peer_id}", self.batch_window,
                       lambda: self.received)
 

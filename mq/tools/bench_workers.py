@@ -32,6 +32,8 @@ CONNECT_TIMEOUT_S = 90.0  # spawn + import torch + rendezvous, on a loaded 2-cor
 # kept large frames alive until the cyclic collector ran (an nng echo worker reached 9.3 GiB at
 # 1.25 GB); the codec now breaks them, and this keeps RSS flat for the raw baselines too.
 GC_EACH_BYTES = 64 * MB
+# nng stream rows run with batching on (the nng option batch_window, off by default).
+STREAM_BATCH_WINDOW = 100e-6
 
 
 def _nbytes(obj: Any) -> int:
@@ -331,6 +333,8 @@ class _MqEndpoint(_Endpoint):
     def _create(self, **options: Any) -> Any:
         import mq
 
+        if self.mode == "stream" and self.mq_type == "nng":
+            options["batch_window"] = STREAM_BATCH_WINDOW  # what a streaming user turns on
         q = mq.create(self.mq_type, self.node_id, {"bench"}, timeout=CONNECT_TIMEOUT_S, **options)
         if self.mode == "fanout" and self.role == "B":
             q.subscribe("bench")  # before joining: the handshake carries it
