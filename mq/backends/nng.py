@@ -411,9 +411,11 @@ class _Outbox:
 
     def send(self, peer: int, frame: Frame, timeout: float) -> None:
         with self.cond:
-            now, received = time.perf_counter(), self.received()
-            streaming = now - self._last_sent < self.batch_window and received == self._last_received
-            self._last_sent, self._last_received = now, received
+            streaming = False
+            if self.batch_window:  # off by default: no clock read per send then
+                now, received = time.perf_counter(), self.received()
+                streaming = now - self._last_sent < self.batch_window and received == self._last_received
+                self._last_sent, self._last_received = now, received
             if not self.pending and not self.flushing and not self.closed and not streaming:
                 msg = _new_msg(frame)
                 rv = lib.nng_sendmsg(self.sock.socket, msg, lib.NNG_FLAG_NONBLOCK)
