@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import secrets
+import socket
 import tempfile
 import threading
 import time
@@ -49,6 +51,27 @@ def unix_sockets(pids: Any) -> list[str]:
     prefixes = tuple(p for pid in pids for p in (f"@mq-{pid}-", f"/tmp/mq-{pid}-"))
     with open("/proc/net/unix") as f:
         return sorted({line.split()[-1] for line in f if line.split()[-1].startswith(prefixes)})
+
+
+def free_port_run(width: int = 1) -> int:
+    """A port ``p`` with ``p .. p+width-1`` free on every address right now, picked below the
+    kernel's ephemeral range: a port from ``bind(0)`` lies inside it, where any process's next
+    outgoing connection may take it (or its neighbour, for a worker listening on base+1)."""
+    for _ in range(200):
+        base = 10000 + secrets.randbelow(20000)
+        socks = []
+        try:
+            for port in range(base, base + width):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {width} free ports in 10000..30000")
 
 
 def wait_until(cond: Any, timeout: float = 10.0) -> bool:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import mq
-from mq.testing import unix_sockets
+from mq.testing import free_port_run, unix_sockets
 from mq.launch import make_plan, parse_labels
 
 pytestmark = pytest.mark.timeout(90)
@@ -62,10 +62,8 @@ def test_run_starts_workers_with_ids_labels_and_routes():
 
 
 def test_run_static_ports_and_module_dot_func_form():
-    from mq.launch import free_port
-
-    base = free_port()
-    r = mq_cli("run", "--main", "tests.jobs.roles.ok", "-n", "2", "--ports", f"{base},{free_port()}",
+    base = free_port_run(3)
+    r = mq_cli("run", "--main", "tests.jobs.roles.ok", "-n", "2", "--ports", f"{base},{base + 2}",
                "--protocol", "tcp", "--topology", "star")
     assert r.returncode == 0, r.stderr
     assert "routes ['tcp']" in r.stdout
@@ -294,9 +292,8 @@ def finish(*procs: subprocess.Popen, timeout: float = 60) -> list[tuple[int, str
 def two_hosts(main: str, env: dict | None = None) -> tuple[subprocess.Popen, subprocess.Popen]:
     """The DI-engine-style launch of two hosts by hand: the learner's host, then the collectors'
     host dialling it; one role spec for both."""
-    from mq.launch import free_port
-
-    a, b = free_port(), free_port()
+    a = free_port_run(4)  # the learner on a, the three collectors on a+1 .. a+3
+    b = a + 1
     common = ["--main", main, "--world-size", "4", "--roles", "learner:1,collector:*", "--protocol", "tcp"]
     learner = start([*common, "-n", "1", "--node-ids", "0", "--ports", str(a)], env)
     collectors = start([*common, "-n", "3", "--node-ids", "1", "--ports", str(b),
@@ -382,11 +379,10 @@ def test_k8s_torchrun_environment_meets_through_master(mq_type):
     """Two "pods" with PyTorchJob's variables (MASTER_ADDR/PORT, WORLD_SIZE, RANK) on loopback."""
     import json
 
-    from mq.launch import free_port
-
-    master = free_port()
+    base = free_port_run(5)  # each pod's two workers listen on port and port+1; the store on base+4
+    master = base + 4
     pods = []
-    for rank, port in enumerate([free_port(), free_port()]):
+    for rank, port in enumerate([base, base + 2]):
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "WORLD_SIZE": "2", "RANK": str(rank),
                "POD_IP": "127.0.0.1", "DI_NODES": ""}
         pods.append(start(["--platform", "k8s", "--mq-type", mq_type, "--main", "tests.jobs.cluster:learn",

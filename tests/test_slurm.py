@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from mq.testing import unix_sockets
+from mq.testing import free_port_run, unix_sockets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
 
@@ -67,26 +67,6 @@ def _ensure_slurm() -> str | None:
         return f"apt-get install slurm-wlm munge failed: {r.stderr.strip()[-300:]}"
     missing = [b for b in DAEMONS if not shutil.which(b, path=path)]
     return f"still missing after apt-get: {', '.join(missing)}" if missing else None
-
-
-def _free_base_port() -> int:
-    """A base port whose run base-1 .. base+4 is free on every address, below the ephemeral
-    range (where the kernel hands out other processes' ports) and away from other runs."""
-    for _ in range(200):
-        base = 10000 + secrets.randbelow(20000)
-        socks = []
-        try:
-            for port in range(base - 1, base + 5):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free run of ports for the mq workers")
 
 
 def _free_port() -> int:
@@ -287,7 +267,7 @@ def check_learner_and_collectors(stdout: str, hosts: dict[int, str]) -> None:
 
 
 def run_args(c: Cluster, mq_type: str, main: str, *extra: str) -> list[str]:
-    return [*MQ, "--mq-type", mq_type, "--ports", str(_free_base_port()), "--main", main, *extra]
+    return [*MQ, "--mq-type", mq_type, "--ports", str(free_port_run(6) + 1), "--main", main, *extra]  # base-1 (store) .. base+4
 
 
 def sockets_of(pids) -> list[str]:
