@@ -798,20 +798,26 @@ def _row(c: _Case, size: int, bound: _Case, messages: int) -> dict[str, Any]:
         return row
     st = _stats(res.samples_ns)
     p50_s = st["p50_ms"] / 1e3
-    row.update({k: round(v, 6) for k, v in st.items()})
+    row.update({k: _ms(v) for k, v in st.items()})
     row["gbps"] = round(moved * size * 8 / p50_s / 1e9, 4)
     if c.mode == "stream":
         row["msgs_per_s"] = round(messages / p50_s, 1)
         row["mb_per_s"] = round(messages * size / p50_s / 1e6, 3)
     base_p50 = _p50(c.baseline.results.get(size)) if c.baseline is not None else None
     if base_p50:
-        row["baseline_p50_ms"] = round(base_p50, 6)
+        row["baseline_p50_ms"] = _ms(base_p50)
         row["ratio"] = round(st["p50_ms"] / base_p50, 4)
     bound_p50 = _p50(bound.results.get(size))
     if bound_p50:
-        row["bound_ms"] = round(memcpys * bound_p50, 6)
+        row["bound_ms"] = _ms(memcpys * bound_p50)
         row["ratio_bound"] = round(st["p50_ms"] / (memcpys * bound_p50), 4)
     return row
+
+
+def _ms(value: float) -> float:
+    # Significant digits, not decimals: a 1 KB memcpy takes ~0.0001 ms, and six decimals left
+    # it two digits, so a row's ratio to it disagreed with its own columns by ~0.5%.
+    return float(f"{value:.6g}")
 
 
 _ORDER = {"memcpy": -1, "nng": 0, "raw:pynng": 1, "raw:pyzmq": 2, "torchrpc:cpu": 3, "raw:rpc": 4,
