@@ -7,11 +7,14 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pynng
@@ -62,10 +65,27 @@ def raw_frame(kind: int, sender: int, payload, topic: str = "work") -> bytes:
     return bytes(Codec().encode(kind, topic, sender, 0, 0, payload).to_bytes())
 
 
-def stranger(address: str) -> pynng.Push0:
+def stranger(address: str) -> Any:
+    """A raw sender to a node's address: NNG's, or its unix link (an abstract ``mq-...`` name)."""
+    if address.startswith("mq-"):
+        return UnixStranger(address)
     s = pynng.Push0(send_timeout=2000)
     s.dial(address, block=True)
     return s
+
+
+class UnixStranger:
+    """Frames as the unix link lays them out (length prefix, one datagram), from nobody."""
+
+    def __init__(self, name: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect("\0" + name)
+
+    def send(self, frame: bytes) -> None:
+        self.sock.send(struct.pack("<Q", len(frame)) + frame)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # ---------------------------------------------------------------------- strangers
@@ -80,7 +100,7 @@ def test_a_node_with_another_secret_never_joins(learner):
     assert 7 not in learner.peers()
 
 
-@pytest.mark.parametrize("family", ["tcp", "ipc"])
+@pytest.mark.parametrize("family", ["tcp", "ipc", "unix"])
 def test_frames_without_a_handshake_are_refused_and_counted(learner, family):
     s = stranger(learner.addresses[family])
     try:
@@ -93,7 +113,7 @@ def test_frames_without_a_handshake_are_refused_and_counted(learner, family):
         s.close()
 
 
-@pytest.mark.parametrize("family", ["tcp", "ipc"])
+@pytest.mark.parametrize("family", ["tcp", "ipc", "unix"])
 def test_spoofed_sender_hijacked_id_and_forged_farewell_change_nothing(learner, family):
     proc = peer(learner)
     try:

@@ -7,9 +7,10 @@ timeout (backpressure) instead of dropping.
 
 Joining (driven by :class:`mq.core.MQ`): ``greet`` dials an ``attach_to`` address with a
 short-lived bootstrap socket and sends HELLO; ``connect`` opens the outgoing socket on the route
-core chose: ``inproc`` inside one process, the unix socket for ``ipc`` and ``shm`` (the socket
-carries control frames and descriptors, the pool carries the bytes), ``tcp`` otherwise. The
-bootstrap socket closes once the peer's own link is up.
+core chose: ``inproc`` inside one process, a unix SEQPACKET link (:mod:`mq.backends.unixlink`,
+one hop where NNG's ipc takes three) for ``ipc`` and ``shm`` (the link carries control frames
+and descriptors, the pool carries the bytes), ``tcp`` otherwise. The bootstrap socket closes
+once the peer's own link is up.
 
 Frames use the contiguous layout of :mod:`mq.codec`, written straight into NNG messages; received
 messages are split in place: arrays and tensors are views of NNG's buffer, freed with the last
@@ -32,7 +33,8 @@ import pynng
 from pynng import ffi, lib
 from pynng.exceptions import check_err
 
-from mq.codec import ALIGN, ZERO_PAD, Frame, split_batch
+from mq.backends import unixlink
+from mq.codec import ALIGN, ZERO_PAD, Frame, split, split_batch
 from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError, Timeout
 from mq.locality import local
 from mq.rendezvous import Rendezvous, attach_targets
@@ -84,6 +86,10 @@ class NngTransport(Transport):
         tls: ``{"cert": path, "key": path, "ca": path}`` (PEM files): links between hosts use
             TLS (``tls+tcp://``), both ends proving a certificate signed by ``ca``. Same-host
             routes (shm, ipc, inproc) do not leave the host and stay as they are.
+        unix_links: same-host peers (routes ``shm`` and ``ipc``) talk over unix SEQPACKET
+            sockets, where a frame wakes the receiving thread directly (about half the round
+            trip of NNG's ipc for small messages); False: NNG's ipc socket (the only one that
+            batches, see ``batch_window``). Both ends must have it on; else NNG's ipc is used.
     """
 
     name = "nng"
@@ -92,7 +98,7 @@ class NngTransport(Transport):
                  protocol: str = "auto", send_buffer: int = 64, batch_window: float = 0.0,
                  init_method: str | None = None,
                  world_size: int | None = None, topology: str = "mesh", tls: Any = None,
-                 timeout: float = 30.0):
+                 unix_links: bool = True, timeout: float = 30.0):
         if protocol not in ("auto", "tcp", "ipc"):
             raise ConfigError(f"protocol must be auto, tcp or ipc, got {protocol!r}")
         self.node_id = node_id
@@ -124,6 +130,9 @@ class NngTransport(Transport):
             raise ConfigError(f"batch_window must be seconds between 0 and 0.01 (e.g. 100e-6), "
                               f"got {batch_window!r}")
         self.batch_window = float(batch_window)
+        if type(unix_links) is not bool:
+            raise ConfigError(f"unix_links must be True or False, got {unix_links!r}")
+        self.unix_links = unix_links
         self.received = 0  # NNG messages taken off the inbox: the outboxes tell streams from replies
         self.incarnation = uuid.uuid4().hex
         self._tls = _tls_files(tls)
@@ -141,8 +150,16 @@ class NngTransport(Transport):
         self._callers_reading = 0
         self._last_caller_exit = 0.0
         self._recv_timeout_ms = -1
+        self._recv_fd = -1
         self._wake_r = self._wake_w = -1  # a pipe that wakes the I/O thread on close()
         self._net_lock = threading.Lock()
+        # Unix links: the listener, accepted links by fd, and our outgoing ones watched for the
+        # peer hanging up (fd -> peer). Readers rebuild their poll set when ``_links_gen`` moves.
+        self._unix_listener: Any = None
+        self._inbound: dict[int, unixlink.Inbound] = {}
+        self._watched: dict[int, tuple[int, unixlink.Outbound]] = {}
+        self._links_gen = 0
+        self._pollers = threading.local()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, node: Events) -> list[str]:
@@ -164,8 +181,12 @@ class NngTransport(Transport):
         # An abstract unix socket: no file in /tmp, gone with the process even after SIGKILL.
         self.addresses["ipc"] = sock.listen(f"abstract://mq-{token}").url
         self.addresses["inproc"] = sock.listen(f"inproc://mq-{token}").url
+        if self.unix_links:
+            self._unix_listener = unixlink.listen(f"mq-{token}-link")
+            self.addresses["unix"] = f"mq-{token}-link"
         # Read the fd here: a stop() racing the thread's start must not make it read a closed socket.
-        self._reader = threading.Thread(target=self._read_loop, args=(sock.recv_fd,), daemon=True,
+        self._recv_fd = sock.recv_fd
+        self._reader = threading.Thread(target=self._read_loop, args=(self._recv_fd,), daemon=True,
                                         name=f"mq{self.node_id}-nng-io")
         self._reader.start()
         targets = list(self.attach_to)
@@ -214,6 +235,15 @@ class NngTransport(Transport):
             s.close()
         if self._inbox_sock is not None:
             self._inbox_sock.close()
+        with self._net_lock:
+            inbound = list(self._inbound.values())
+            self._inbound.clear()
+            self._watched.clear()
+            self._links_gen += 1
+        for link in inbound:
+            link.close()
+        if self._unix_listener is not None:
+            self._unix_listener.close()
         if self._wake_w >= 0:
             os.write(self._wake_w, b"x")  # wake the I/O thread from poll()
         with self._readers_changed:
@@ -246,12 +276,25 @@ class NngTransport(Transport):
         address = addresses.get(kind) or addresses.get("tcp")
         if not isinstance(address, str):
             raise ProtocolError(f"node {peer} advertised no address for route {route.kind}")
+        unix = addresses.get("unix") if kind == "ipc" and self._unix_listener is not None else None
+        if unix is not None and not (isinstance(unix, str) and unix.startswith("mq-") and len(unix) < 100
+                                     and "\0" not in unix):
+            raise ProtocolError(f"node {peer} advertised a malformed unix link name {unix!r}")
         with self._net_lock:
             if peer in self._out and self._out_incarnation.get(peer) == info.get("incarnation"):
                 return
             if peer in self._out:
-                self._out.pop(peer).close()
-            self._out[peer] = self._dial_peer(peer, check_address(address, f"node {peer}'s address"))
+                self._forget_out(peer).close()
+            if unix is not None:
+                try:
+                    box: Any = unixlink.Outbound(unix, self.timeout, lambda: self._outbound_lost(peer))
+                except OSError as exc:
+                    raise ProtocolError(f"cannot open the unix link to node {peer} ({unix}): {exc}") from None
+                self._watched[box.fd] = (peer, box)
+                self._links_gen += 1
+            else:
+                box = self._dial_peer(peer, check_address(address, f"node {peer}'s address"))
+            self._out[peer] = box
             self._out_incarnation[peer] = info.get("incarnation")
             # An ACK echoes the token of our HELLO: its bootstrap socket did its job.
             boot = self._bootstrap.pop(info.get("token"), None) if isinstance(info.get("token"), str) else None
@@ -260,10 +303,17 @@ class NngTransport(Transport):
 
     def disconnect(self, peer: int) -> None:
         with self._net_lock:
-            box = self._out.pop(peer, None)
-            self._out_incarnation.pop(peer, None)
+            box = self._forget_out(peer)
         if box is not None:
             box.close()  # a send waiting on it returns (ClosedError) at once
+
+    def _forget_out(self, peer: int) -> Any:
+        """Take ``peer``'s outgoing link out of the tables (``_net_lock`` held); the caller closes it."""
+        box = self._out.pop(peer, None)
+        self._out_incarnation.pop(peer, None)
+        if isinstance(box, unixlink.Outbound) and self._watched.pop(box.fd, None) is not None:
+            self._links_gen += 1
+        return box
 
     def _dial_peer(self, peer_id: int, address: str) -> "_Outbox":
         sock = self._push(address, send_buffer_size=self.send_buffer)
@@ -294,10 +344,6 @@ class NngTransport(Transport):
     def _read_loop(self, recv_fd: int) -> None:
         sock = self._inbox_sock
         assert sock is not None
-        poller = select.poll()
-        poller.register(recv_fd, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        msgp = ffi.new("nng_msg **")
         while self._state == "listening":
             with self._readers_changed:
                 # While a recv() caller reads, or just did (it is likely in a loop and back within
@@ -309,19 +355,123 @@ class NngTransport(Transport):
                     if not self._callers_reading and quiet >= _CALLER_GRACE_S:
                         break
                     self._readers_changed.wait(_CALLER_GRACE_S)
-            poller.poll(500)  # releases the GIL; wakes when a frame waits or stop() pokes us
+            # Releases the GIL; wakes when a frame waits, a link comes or goes, or stop() pokes us.
+            events = self._poller(recv_fd).poll(500)
             if self._callers_reading:
                 continue
             with self._read_token:
-                for _ in range(64):  # a batch, then look again who should be reading
-                    rv = lib.nng_recvmsg(sock.socket, msgp, lib.NNG_FLAG_NONBLOCK)
-                    if rv == lib.NNG_ECLOSED:
-                        return
-                    if rv != 0:
-                        break
-                    self._handle_frame(msgp[0])
-                    if self._callers_reading:
-                        break
+                if not self._serve(events, recv_fd, 64):
+                    return
+
+    def _poller(self, recv_fd: int) -> Any:
+        """This thread's poll set over every source of frames, rebuilt when links change."""
+        cached = getattr(self._pollers, "entry", None)
+        if cached is not None and cached[0] == self._links_gen:
+            return cached[1]
+        with self._net_lock:
+            gen = self._links_gen
+            fds = [recv_fd, self._wake_r, *self._inbound, *self._watched]
+            if self._unix_listener is not None:
+                fds.append(self._unix_listener.fileno())
+        poller = select.poll()
+        for fd in fds:
+            if fd >= 0:
+                poller.register(fd, select.POLLIN)
+        self._pollers.entry = (gen, poller)
+        return poller
+
+    def _serve(self, events: list[tuple[int, int]], recv_fd: int, budget: int) -> bool:
+        """Act on what poll() saw (read token held): deliver up to ``budget`` frames per source,
+        take new unix links, report hung-up ones. False once the inbox socket is closed."""
+        for fd, _ev in events:
+            if fd == recv_fd:
+                if not self._read_nng(budget):
+                    return False
+            elif fd in self._inbound:
+                self._read_unix(self._inbound[fd], budget)
+            elif fd in self._watched:
+                self._hung_up(fd)
+            elif self._unix_listener is not None and fd == self._unix_listener.fileno():
+                self._accept()
+        return True
+
+    def _read_nng(self, budget: int) -> bool:
+        sock = self._inbox_sock
+        assert sock is not None
+        msgp = ffi.new("nng_msg **")
+        for _ in range(budget):  # a batch, then look again who should be reading
+            rv = lib.nng_recvmsg(sock.socket, msgp, lib.NNG_FLAG_NONBLOCK)
+            if rv == lib.NNG_ECLOSED:
+                return False
+            if rv != 0:
+                break
+            self._handle_frame(msgp[0])
+            if self._callers_reading and budget > 1:
+                break
+        return True
+
+    def _read_unix(self, link: unixlink.Inbound, budget: int) -> None:
+        assert self._node is not None
+        for _ in range(budget):
+            try:
+                frame = link.read()
+            except EOFError:  # the sender closed or died; its outgoing side reports the loss
+                self._drop_inbound(link)
+                return
+            except ProtocolError as exc:  # the link's framing is lost: it is unusable
+                self._node.on_dropped(f"unix link {link.link}: {exc}; closed it")
+                self._drop_inbound(link)
+                return
+            if frame is None:
+                return
+            self.received += 1
+            try:
+                header, buffers = split(frame)
+            except ProtocolError as exc:
+                self._node.on_dropped(f"frame on unix link {link.link}: {exc}")
+                continue
+            self._node.on_frame(header, buffers, link.link)
+
+    def _accept(self) -> None:
+        assert self._node is not None
+        while True:
+            try:
+                conn, _ = self._unix_listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of fds: the pending ones wait in the backlog
+                log.warning("node %d: cannot accept a unix link: %s", self.node_id, exc)
+                return
+            link = unixlink.Inbound(conn, self._node.max_frame_bytes)
+            with self._net_lock:
+                if self._state != "listening":
+                    link.close()
+                    return
+                self._inbound[link.fd] = link
+                self._links_gen += 1
+
+    def _drop_inbound(self, link: unixlink.Inbound) -> None:
+        with self._net_lock:
+            if self._inbound.pop(link.fd, None) is link:
+                self._links_gen += 1
+        link.close()
+
+    def _hung_up(self, fd: int) -> None:
+        """Our outgoing unix link to a peer hung up: its process died or closed."""
+        with self._net_lock:
+            peer, _box = self._watched.get(fd, (None, None))
+        if peer is not None:
+            self._outbound_lost(peer, fd)
+
+    def _outbound_lost(self, peer: int, fd: int | None = None) -> None:
+        with self._net_lock:
+            box = self._out.get(peer)
+            if not isinstance(box, unixlink.Outbound) or (fd is not None and box.fd != fd):
+                box = None
+            if fd is not None and self._watched.pop(fd, None) is not None:
+                self._links_gen += 1  # level-triggered: stop watching it, or poll() would spin
+        if box is not None and self._state == "listening" and self._node:
+            self._node.on_link_lost(peer, "disconnected (its process died or closed the link)")
 
     def read_in_caller(self, timeout: float, ready: Callable[[], bool]) -> bool:
         sock = self._inbox_sock
@@ -338,6 +488,14 @@ class NngTransport(Transport):
                     return True
             try:
                 if ready():  # the I/O thread delivered what the caller waits for meanwhile
+                    return True
+                if self._unix_listener is not None:
+                    # Several sources: wait on all of them at once, in this thread.
+                    ms = max(1, min(500, int(timeout * 1000)))
+                    events = self._poller(self._recv_fd).poll(ms)
+                    if self._state != "listening":
+                        raise ClosedError("the queue was stopped during recv()")
+                    self._serve(events, self._recv_fd, 1)
                     return True
                 # A frame already waiting (a busy link) is taken without a timeout: a timed
                 # receive arms NNG's timer thread, which cost a stream ~40 us per frame.
