@@ -46,6 +46,7 @@ log = logging.getLogger("mq.nng")
 SUPPORTED_ROUTES = ("inproc", "ipc", "tcp")
 # After a recv() caller leaves, the I/O thread waits this long before reading for itself.
 _CALLER_GRACE_S = 0.002
+_MAX_UNIX_LINKS = 4096  # accepted unix links kept at once (peers on this host, and strangers)
 _SCHEMES = ("tcp://", "tls+tcp://", "ipc://", "abstract://", "inproc://")
 # Behind a busy pipe, frames up to this size share one NNG message, up to BATCH_BYTES a message.
 BATCH_FRAME_MAX = 16 << 10
@@ -280,17 +281,28 @@ class NngTransport(Transport):
         if unix is not None and not (isinstance(unix, str) and unix.startswith("mq-") and len(unix) < 100
                                      and "\0" not in unix):
             raise ProtocolError(f"node {peer} advertised a malformed unix link name {unix!r}")
+        link = None
+        if unix is not None and not self._is_current(peer, info):
+            try:  # outside the lock: a peer slow to accept must not hold up every other link
+                link = unixlink.Outbound(unix, min(self.timeout, 5.0), lambda: self._outbound_lost(peer))
+            except OSError as exc:
+                # Its abstract name is not in our network namespace (a container sharing only
+                # IPC): NNG's abstract ipc socket would not be either; tcp reaches it.
+                log.warning("node %d: cannot open the unix link to node %d (%s): using tcp",
+                            self.node_id, peer, exc)
+                address = addresses.get("tcp")
+                if not isinstance(address, str):
+                    raise ProtocolError(f"node {peer} advertised no tcp address") from None
         with self._net_lock:
-            if peer in self._out and self._out_incarnation.get(peer) == info.get("incarnation"):
+            if self._is_current(peer, info):
+                if link is not None:
+                    link.close()
                 return
             if peer in self._out:
                 self._forget_out(peer).close()
-            if unix is not None:
-                try:
-                    box: Any = unixlink.Outbound(unix, self.timeout, lambda: self._outbound_lost(peer))
-                except OSError as exc:
-                    raise ProtocolError(f"cannot open the unix link to node {peer} ({unix}): {exc}") from None
-                self._watched[box.fd] = (peer, box)
+            if link is not None:
+                box: Any = link
+                self._watched[link.fd] = (peer, link)
                 self._links_gen += 1
             else:
                 box = self._dial_peer(peer, check_address(address, f"node {peer}'s address"))
@@ -300,6 +312,9 @@ class NngTransport(Transport):
             boot = self._bootstrap.pop(info.get("token"), None) if isinstance(info.get("token"), str) else None
         if boot is not None:
             boot.close()
+
+    def _is_current(self, peer: int, info: dict[str, Any]) -> bool:
+        return peer in self._out and self._out_incarnation.get(peer) == info.get("incarnation")
 
     def disconnect(self, peer: int) -> None:
         with self._net_lock:
@@ -415,8 +430,8 @@ class NngTransport(Transport):
         for _ in range(budget):
             try:
                 frame = link.read()
-            except EOFError:  # the sender closed or died; its outgoing side reports the loss
-                self._drop_inbound(link)
+            except (EOFError, OSError):  # the sender closed or died (or we are closing)
+                self._drop_inbound(link)  # its outgoing side reports the loss
                 return
             except ProtocolError as exc:  # the link's framing is lost: it is unusable
                 self._node.on_dropped(f"unix link {link.link}: {exc}; closed it")
@@ -444,9 +459,12 @@ class NngTransport(Transport):
                 return
             link = unixlink.Inbound(conn, self._node.max_frame_bytes)
             with self._net_lock:
-                if self._state != "listening":
-                    link.close()
-                    return
+                if self._state != "listening" or len(self._inbound) >= _MAX_UNIX_LINKS:
+                    link.close()  # a flood of connections from this host must not take every fd
+                    if self._state != "listening":
+                        return
+                    self._node.on_dropped(f"a unix link past the {_MAX_UNIX_LINKS} this node keeps")
+                    continue
                 self._inbound[link.fd] = link
                 self._links_gen += 1
 
@@ -457,7 +475,8 @@ class NngTransport(Transport):
         link.close()
 
     def _hung_up(self, fd: int) -> None:
-        """Our outgoing unix link to a peer hung up: its process died or closed."""
+        """Our outgoing unix link to a peer hung up: its process died or closed. (Anything else
+        on it ends it too: a peer never speaks on the link it accepted.)"""
         with self._net_lock:
             peer, _box = self._watched.get(fd, (None, None))
         if peer is not None:
