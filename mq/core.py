@@ -470,6 +470,7 @@ class MQ:
             frame = self._encode(REQ, topic, payload, corr)
             if not (self.transport.answers_requests and self._request(peer, frame, deadline)):
                 self._deliver_to([peer], frame, deadline)
+                self._read_while(fut.done, deadline)
             return fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             raise Timeout(f"node {peer} did not answer call {topic!r} within {timeout:g}s "
@@ -553,7 +554,36 @@ class MQ:
         Raises:
             Timeout: a receiver still holds it after ``timeout`` seconds.
         """
-        self._need_pool().wait_released(buf, self._timeout(timeout))
+        pool = self._need_pool()
+        timeout = self._timeout(timeout)
+        deadline = time.monotonic() + timeout
+        if pool.holders_of(buf):  # (raises ConfigError for a buffer not from alloc())
+            self._read_while(lambda: not pool.holders_of(buf), deadline)
+        pool.wait_released(buf, max(0.0, deadline - time.monotonic()))
+
+    def _caller_may_read(self) -> bool:
+        """Whether a thread may read the transport for itself: only while every queue a frame
+        can go to has room, so its reads (which never wait on a queue) keep the bounds."""
+        # (A semaphore's count, read without taking its lock: acquire() + release() per recv()
+        # cost ~3 us, and only this thread takes slots while it reads.)
+        return not (self._inbox.full() or self._handler_queue.full()) and self._handler_slots._value > 0
+
+    def _read_while(self, done: Callable[[], bool], deadline: float) -> None:
+        """Wait until ``done()`` or ``deadline`` reading the transport in this thread, as recv()
+        does: the frame that ends the wait (a reply, a release) is handled here instead of being
+        handed over by the I/O thread, a thread hop that cost a by-handle send ~0.1 ms. Reads
+        only while the inbox has room, so what arrives meanwhile stays within its bound (one
+        transport message past it at most); otherwise leaves the waiting to the caller."""
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0 or self._state != "listening" or not self._caller_may_read():
+                return
+            self._recv_caller.active = True  # a batch's frames go in past a bound it just met
+            try:
+                if not self.transport.read_in_caller(min(left, 0.05), done):
+                    return
+            finally:
+                self._recv_caller.active = False
 
     def _need_pool(self) -> "_shm.Pool":
         if self._pool is None:
@@ -582,11 +612,13 @@ class MQ:
                 raise Timeout(f"no message within {timeout:g}s")
             # Read the transport in this thread when it can: no hand-off from an I/O thread,
             # which is a large part of a small message's latency.
-            self._recv_caller.active = True
-            try:
-                read = self.transport.read_in_caller(left, self._inbox_ready)
-            finally:
-                self._recv_caller.active = False
+            read = False
+            if self._caller_may_read():
+                self._recv_caller.active = True
+                try:
+                    read = self.transport.read_in_caller(left, self._inbox_ready)
+                finally:
+                    self._recv_caller.active = False
             if not read:
                 try:
                     return self._handed(self._inbox.get(timeout=left))
@@ -1121,12 +1153,16 @@ class MQ:
             else:
                 self._put_blocking(self._inbox, msg, nbytes)
         elif env.kind == REQ:
-            self._handler_slots.acquire()  # bounds queued calls; released when served
+            # Slots bound queued calls (released when served). A thread reading for itself
+            # (recv(), a call or wait_released waiting) must not wait for handlers, which may
+            # wait for it: its request queues past the bound (one per read at most).
+            slot = self._handler_slots.acquire(blocking=not self._recv_caller.active)
             try:
                 assert self._executor is not None
-                self._executor.submit(self._serve, env)
+                self._executor.submit(self._serve, env, slot)
             except RuntimeError:  # pool shut down: we are stopping
-                self._handler_slots.release()
+                if slot:
+                    self._handler_slots.release()
         elif env.kind in (REP_OK, REP_ERR):
             self._on_reply(env)
         elif env.kind == SUBS:
@@ -1272,14 +1308,15 @@ class MQ:
         except EncodeError as exc:
             return self._encode(REP_ERR, env.topic, _error_payload(exc), env.corr)
 
-    def _serve(self, env: Envelope) -> None:
+    def _serve(self, env: Envelope, slot: bool = True) -> None:
         try:
             self._deliver_to([env.sender], self._answer(env), time.monotonic() + self.timeout)
         except MQError as exc:
             log.warning("node %d: could not answer call %r from node %d: %s",
                         self.node_id, env.topic, env.sender, exc)
         finally:
-            self._handler_slots.release()
+            if slot:
+                self._handler_slots.release()
 
     def _dispatch_loop(self) -> None:
         while self._state in ("new", "listening") or not self._handler_queue.empty():
@@ -1299,9 +1336,10 @@ class MQ:
         # Block the I/O thread while the queue is full: the transport stops reading and the
         # sender feels backpressure. Wake up now and then to notice stop(). While blocked we
         # read nobody's heartbeats, so silence is nobody's fault: liveness waits.
-        if q is self._inbox and self._recv_caller.active:
-            # recv() reading for itself, its inbox empty when it started: the frames of one
-            # transport message (a batch) go in past the bound, or it would wait on itself.
+        if self._recv_caller.active:
+            # A thread reading for itself, the queues not full when it started: the frames of
+            # one transport message (a batch) go in past the bound, or it would wait on itself
+            # (its inbox) or on handlers that may wait for it.
             q.put_now(item, nbytes)
             return
         while not q.put(item, 0.2, nbytes):
@@ -1531,6 +1569,9 @@ class BoundedQueue:
 
     def empty(self) -> bool:
         return self._items.empty()
+
+    def full(self) -> bool:
+        return self._items.qsize() >= self._capacity
 
     def depth(self) -> dict[str, int]:
         return {"messages": self._items.qsize(), "bytes": self._bytes}
