@@ -46,7 +46,7 @@ log = logging.getLogger("mq.nng")
 SUPPORTED_ROUTES = ("inproc", "ipc", "tcp")
 # After a recv() caller leaves, the I/O thread waits this long before reading for itself.
 _CALLER_GRACE_S = 0.002
-_MAX_UNIX_LINKS = 4096  # accepted unix links kept at once (peers on this host, and strangers)
+_MAX_UNIX_LINKS = 1024  # accepted unix links kept at once (peers on this host, and strangers): 64 KiB each
 _SCHEMES = ("tcp://", "tls+tcp://", "ipc://", "abstract://", "inproc://")
 # Behind a busy pipe, frames up to this size share one NNG message, up to BATCH_BYTES a message.
 BATCH_FRAME_MAX = 16 << 10

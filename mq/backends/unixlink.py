@@ -91,7 +91,10 @@ class Inbound:
                     raise ProtocolError(f"frame of {size} bytes begins with a {first}-byte piece")
                 if first == size:
                     return self._scratch[_PREFIX.size:n]  # a copy the frame's views own
-                self._buf = buf = bytearray(size)  # zero pages until written
+                try:
+                    self._buf = buf = bytearray(size)  # zero pages until written
+                except MemoryError:  # e.g. many links each claiming a huge frame
+                    raise ProtocolError(f"no memory for a frame of {size} bytes") from None
                 buf[:first] = memoryview(self._scratch)[_PREFIX.size:n]
                 self._filled = first
             want = min(DATAGRAM - 1, len(buf) - self._filled)
