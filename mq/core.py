@@ -572,8 +572,8 @@ class MQ:
         """Wait until ``done()`` or ``deadline`` reading the transport in this thread, as recv()
         does: the frame that ends the wait (a reply, a release) is handled here instead of being
         handed over by the I/O thread, a thread hop that cost a by-handle send ~0.1 ms. Reads
-        only while the inbox has room, so what arrives meanwhile stays within its bound (one
-        transport message past it at most); otherwise leaves the waiting to the caller."""
+        only while :meth:`_caller_may_read` (what arrives meanwhile stays within the bounds, one
+        transport message past them at most); otherwise leaves the waiting to the caller."""
         while not done():
             left = deadline - time.monotonic()
             if left <= 0 or self._state != "listening" or not self._caller_may_read():
