@@ -3,6 +3,7 @@ datagrams, a frame cut off by a timeout, and the nng transport choosing the link
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -92,6 +93,7 @@ def test_a_frame_cut_off_by_a_timeout_is_dropped_and_the_next_arrives(link_pair)
     (struct.pack("<Q", 1 << 40) + b"x", "exceeds max_frame_bytes"),
     (struct.pack("<Q", 10) + b"x" * 20, "begins with a 20-byte piece"),
     (struct.pack("<Q", 100_000) + b"x" * 100, "begins with a 100-byte piece"),
+    (struct.pack("<Q", 200_000) + b"x" * unixlink.DATAGRAM, "longer than the 65536 bytes due"),
 ])
 def test_malformed_datagrams_are_protocol_errors(link_pair, datagram, why):
     out, inbound, _ = link_pair
@@ -125,21 +127,27 @@ def test_a_closed_sender_reads_as_end_of_link(link_pair):
 
 
 # ---------------------------------------------------------------------- in the nng transport
+@contextlib.contextmanager
+def hang_peer(node: mq.MQ):
+    """tests.jobs.nng_peer as node 1 (mode hang) in another process on this host, joined to
+    ``node``; killed on exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.nng_peer", "1", node.addresses["tcp"], "hang"],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        node.wait_for_peers(ids=[1], timeout=10)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+
+
 @pytest.fixture
 def peer_proc():
-    """Node 0 here, node 1 (tests.jobs.nng_peer, mode hang) in another process: same host."""
     node = mq.create("nng", 0, "learner", timeout=5)
-    with node:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.nng_peer", "1", node.addresses["tcp"], "hang"],
-                                cwd=REPO, stdout=subprocess.PIPE, text=True)
-        try:
-            assert proc.stdout.readline().strip() == "ready"
-            node.wait_for_peers(ids=[1], timeout=10)
-            yield node, proc
-        finally:
-            proc.kill()
-            proc.wait(10)
-            proc.stdout.close()
+    with node, hang_peer(node) as proc:
+        yield node, proc
 
 
 def test_a_same_host_peer_is_reached_over_a_unix_link(peer_proc):
@@ -175,16 +183,7 @@ def _closed_by_peer(s: socket.socket) -> bool:
 
 def test_unix_links_off_uses_nng_ipc():
     a = mq.create("nng", 0, timeout=5, unix_links=False)
-    with a:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.nng_peer", "1", a.addresses["tcp"], "hang"],
-                                cwd=REPO, stdout=subprocess.PIPE, text=True)
-        try:
-            assert proc.stdout.readline().strip() == "ready"
-            a.wait_for_peers(ids=[1], timeout=10)
-            assert "unix" not in a.addresses
-            assert not isinstance(a.transport._out[1], unixlink.Outbound)
-            assert a.call(1, "echo", 7, timeout=5) == 7
-        finally:
-            proc.kill()
-            proc.wait(10)
-            proc.stdout.close()
+    with a, hang_peer(a):
+        assert "unix" not in a.addresses
+        assert not isinstance(a.transport._out[1], unixlink.Outbound)
+        assert a.call(1, "echo", 7, timeout=5) == 7

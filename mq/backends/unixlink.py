@@ -78,7 +78,7 @@ class Inbound:
         while True:
             buf = self._buf
             if buf is None:
-                n = self._recv_into(self._scratch, DATAGRAM)
+                n = self._recv([self._scratch])
                 if n is None:
                     return None
                 if n < _PREFIX.size:
@@ -98,20 +98,14 @@ class Inbound:
                 buf[:first] = memoryview(self._scratch)[_PREFIX.size:n]
                 self._filled = first
             want = min(DATAGRAM - 1, len(buf) - self._filled)
-            try:
-                n, _anc, flags, _addr = self.sock.recvmsg_into(
-                    [self._tag, memoryview(buf)[self._filled:self._filled + want]])
-            except BlockingIOError:
+            n = self._recv([self._tag, memoryview(buf)[self._filled:self._filled + want]])
+            if n is None:
                 return None
-            except ConnectionError:
-                raise EOFError from None
-            if n == 0:
-                raise EOFError
             tag = self._tag[0]
             if tag == _ABORT[0] and n == 1:
                 self._buf = None  # the sender gave up on this frame (its send timed out)
                 continue
-            if tag != _MORE[0] or n - 1 != want or flags & socket.MSG_TRUNC:
+            if tag != _MORE[0] or n - 1 != want:
                 raise ProtocolError(f"a frame piece of {n} bytes (tag {tag}) where "
                                     f"{want + 1} were due")
             self._filled += want
@@ -119,16 +113,18 @@ class Inbound:
                 self._buf = None
                 return buf
 
-    def _recv_into(self, view: Any, room: int) -> int | None:
-        """One datagram's real length (MSG_TRUNC: a longer one than ``room`` shows as such)."""
+    def _recv(self, buffers: list[Any]) -> int | None:
+        """One datagram into ``buffers``: its real length (MSG_TRUNC shows one longer than the
+        room given), or None when none waits."""
         try:
-            n = self.sock.recv_into(view, room, socket.MSG_TRUNC)
+            n = self.sock.recvmsg_into(buffers, 0, socket.MSG_TRUNC)[0]
         except BlockingIOError:
             return None
         except ConnectionError:
             raise EOFError from None
         if n == 0:
             raise EOFError
+        room = sum(len(b) for b in buffers)
         if n > room:
             raise ProtocolError(f"a {n}-byte datagram, longer than the {room} bytes due")
         return n
