@@ -34,6 +34,7 @@ CREATE = [
     (("nng", 0), {"attach_to": ["udp://x:1"]}, "attach_to address 'udp://x:1' must start with"),
     (("nng", 0), {"protocol": "shm"}, "protocol must be auto, tcp or ipc"),
     (("nng", 0), {"unix_links": "yes"}, "unix_links must be True or False"),
+    (("nng", 0), {"tcp_links": 1}, "tcp_links must be True or False"),
     (("nng", 0), {"secret": "short"}, "at least 8 characters"),
     (("nng", 0), {"secret": 12345678}, "secret must be a str or bytes"),
     (("nng", 0), {"insecure": "yes"}, "insecure must be True or False"),

@@ -23,6 +23,7 @@ import pytest
 import mq
 from mq.testing import wait_until
 from mq import auth
+from mq.backends import tcplink
 from mq.codec import BYE, HELLO, LINK, MSG, Codec
 
 pytestmark = pytest.mark.timeout(90)
@@ -40,11 +41,12 @@ def learner():
 
 
 def peer(q: mq.MQ, mode: str = "hang", node_id: int = 1, pre: list[str] | None = None,
-         listen: str | None = None, tls: dict | None = None) -> subprocess.Popen:
+         listen: str | None = None, tls: dict | None = None, protocol: str | None = None) -> subprocess.Popen:
     import json
 
     env = dict(os.environ, **({"MQ_TEST_LISTEN": listen} if listen else {}),
-               **({"MQ_TEST_TLS": json.dumps(tls)} if tls else {}))
+               **({"MQ_TEST_TLS": json.dumps(tls)} if tls else {}),
+               **({"MQ_TEST_PROTOCOL": protocol} if protocol else {}))
     proc = subprocess.Popen([*(pre or []), sys.executable, "-m", "tests.jobs.nng_peer", str(node_id),
                              q.addresses["tcp"], mode],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -65,13 +67,30 @@ def raw_frame(kind: int, sender: int, payload, topic: str = "work") -> bytes:
     return bytes(Codec().encode(kind, topic, sender, 0, 0, payload).to_bytes())
 
 
-def stranger(address: str) -> Any:
-    """A raw sender to a node's address: NNG's, or its unix link (an abstract ``mq-...`` name)."""
-    if address.startswith("mq-"):
+def stranger(q: mq.MQ, family: str) -> Any:
+    """A raw sender to one of a node's addresses: NNG's, its unix link (an abstract ``mq-...``
+    name) or its tcp link."""
+    address = q.addresses[family]
+    if family == "unix":
         return UnixStranger(address)
+    if family == "tcplink":
+        return TcpStranger(address)
     s = pynng.Push0(send_timeout=2000)
     s.dial(address, block=True)
     return s
+
+
+class TcpStranger:
+    """Frames as the tcp link lays them out (one BEGIN record each), from nobody."""
+
+    def __init__(self, address: str):
+        self.sock = socket.create_connection(tcplink.split_address(address), 5)
+
+    def send(self, frame: bytes) -> None:
+        self.sock.sendall(struct.pack("<BxxxIQ", tcplink.BEGIN, len(frame), len(frame)) + frame)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class UnixStranger:
@@ -100,9 +119,9 @@ def test_a_node_with_another_secret_never_joins(learner):
     assert 7 not in learner.peers()
 
 
-@pytest.mark.parametrize("family", ["tcp", "ipc", "unix"])
+@pytest.mark.parametrize("family", ["tcp", "ipc", "unix", "tcplink"])
 def test_frames_without_a_handshake_are_refused_and_counted(learner, family):
-    s = stranger(learner.addresses[family])
+    s = stranger(learner, family)
     try:
         for _ in range(5):
             s.send(raw_frame(MSG, 1, {"cmd": "rm -rf"}))
@@ -113,12 +132,12 @@ def test_frames_without_a_handshake_are_refused_and_counted(learner, family):
         s.close()
 
 
-@pytest.mark.parametrize("family", ["tcp", "ipc", "unix"])
+@pytest.mark.parametrize("family", ["tcp", "ipc", "unix", "tcplink"])
 def test_spoofed_sender_hijacked_id_and_forged_farewell_change_nothing(learner, family):
     proc = peer(learner)
     try:
         learner.wait_for_peers(ids=[1], timeout=10)
-        s = stranger(learner.addresses[family])
+        s = stranger(learner, family)
         s.send(raw_frame(MSG, 1, "spoofed: I am node 1"))                    # spoof a live id
         s.send(raw_frame(BYE, 1, {"rx": 0}))                                 # forged farewell
         s.send(raw_frame(LINK, 1, {"node_id": 1, "incarnation": "x", "proof": b"0" * 32}))
@@ -142,7 +161,7 @@ def test_garbage_and_a_join_flood_leave_the_node_serving_and_stop_bounded():
     q = mq.create("nng", 0, timeout=2)
     q.listen()
     try:
-        s = stranger(q.addresses["tcp"])
+        s = stranger(q, "tcp")
         rng = random.Random(7)
         for _ in range(50):
             s.send(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))))
@@ -160,8 +179,10 @@ def test_garbage_and_a_join_flood_leave_the_node_serving_and_stop_bounded():
 
 
 # ---------------------------------------------------------------------- failures
-def test_a_blocked_sender_gets_peer_lost_within_a_second_of_sigkill(learner):
-    proc = peer(learner, "stall")
+@pytest.mark.parametrize("protocol", ["auto", "tcp"])  # a unix link, a tcp link
+def test_a_blocked_sender_gets_peer_lost_within_a_second_of_sigkill(protocol):
+    learner = mq.create("nng", 0, "learner", protocol=protocol, timeout=3).listen()
+    proc = peer(learner, "stall", protocol=protocol)
     try:
         learner.wait_for_peers(ids=[1], timeout=10)
         learner.wait_for_subscribers("work", 1, timeout=10)
@@ -189,6 +210,7 @@ def test_a_blocked_sender_gets_peer_lost_within_a_second_of_sigkill(learner):
             learner.flush(1, timeout=1)
     finally:
         stop(proc)
+        learner.stop()
 
 
 def test_a_node_that_comes_back_as_a_new_process_rejoins_once(learner):

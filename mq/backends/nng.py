@@ -9,8 +9,12 @@ Joining (driven by :class:`mq.core.MQ`): ``greet`` dials an ``attach_to`` addres
 short-lived bootstrap socket and sends HELLO; ``connect`` opens the outgoing socket on the route
 core chose: ``inproc`` inside one process, a unix SEQPACKET link (:mod:`mq.backends.unixlink`,
 one hop where NNG's ipc takes three) for ``ipc`` and ``shm`` (the link carries control frames
-and descriptors, the pool carries the bytes), ``tcp`` otherwise. The bootstrap socket closes
-once the peer's own link is up.
+and descriptors, the pool carries the bytes), and for ``tcp`` a TCP link of mq's own
+(:mod:`mq.backends.tcplink`, one hop where NNG's tcp takes three) to the port the peer
+advertised in its HELLO, or NNG's tcp where that port cannot be reached, TLS is on or batching
+was asked for. The bootstrap socket closes once the peer's own link is up. Every link of our
+own is read by the same threads as the NNG inbox: the I/O thread, or a ``recv()`` caller,
+waits in one ``poll()`` on all of them.
 
 Frames use the contiguous layout of :mod:`mq.codec`, written straight into NNG messages; received
 messages are split in place: arrays and tensors are views of NNG's buffer, freed with the last
@@ -33,7 +37,7 @@ import pynng
 from pynng import ffi, lib
 from pynng.exceptions import check_err
 
-from mq.backends import unixlink
+from mq.backends import tcplink, unixlink
 from mq.codec import ALIGN, ZERO_PAD, Frame, split, split_batch
 from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError, Timeout
 from mq.locality import local
@@ -46,7 +50,8 @@ log = logging.getLogger("mq.nng")
 SUPPORTED_ROUTES = ("inproc", "ipc", "tcp")
 # After a recv() caller leaves, the I/O thread waits this long before reading for itself.
 _CALLER_GRACE_S = 0.002
-_MAX_UNIX_LINKS = 1024  # accepted unix links kept at once (peers on this host, and strangers): 64 KiB each
+_MAX_LINKS = 1024  # accepted unix and tcp links kept at once (peers, and strangers)
+_LINK_CONNECT_S = 2.0  # a tcp link not open by then (a firewall drops it): NNG's tcp instead
 _SCHEMES = ("tcp://", "tls+tcp://", "ipc://", "abstract://", "inproc://")
 # Behind a busy pipe, frames up to this size share one NNG message, up to BATCH_BYTES a message.
 BATCH_FRAME_MAX = 16 << 10
@@ -91,6 +96,11 @@ class NngTransport(Transport):
             sockets, where a frame wakes the receiving thread directly (about half the round
             trip of NNG's ipc for small messages); False: NNG's ipc socket (the only one that
             batches, see ``batch_window``). Both ends must have it on; else NNG's ipc is used.
+        tcp_links: peers on other hosts (route ``tcp``) talk over TCP sockets of mq's own
+            (:mod:`mq.backends.tcplink`: one thread hop per frame where NNG's tcp takes three),
+            on an ephemeral port of ``listen_to``'s interface advertised in the handshake; NNG's
+            port stays the one peers join at. Where that port cannot be reached, where TLS is
+            on, or with ``batch_window`` set (batching is NNG's), NNG's tcp carries the frames.
     """
 
     name = "nng"
@@ -99,7 +109,7 @@ class NngTransport(Transport):
                  protocol: str = "auto", send_buffer: int = 64, batch_window: float = 0.0,
                  init_method: str | None = None,
                  world_size: int | None = None, topology: str = "mesh", tls: Any = None,
-                 unix_links: bool = True, timeout: float = 30.0):
+                 unix_links: bool = True, tcp_links: bool = True, timeout: float = 30.0):
         if protocol not in ("auto", "tcp", "ipc"):
             raise ConfigError(f"protocol must be auto, tcp or ipc, got {protocol!r}")
         self.node_id = node_id
@@ -134,6 +144,9 @@ class NngTransport(Transport):
         if type(unix_links) is not bool:
             raise ConfigError(f"unix_links must be True or False, got {unix_links!r}")
         self.unix_links = unix_links
+        if type(tcp_links) is not bool:
+            raise ConfigError(f"tcp_links must be True or False, got {tcp_links!r}")
+        self.tcp_links = tcp_links and tls is None
         self.received = 0  # NNG messages taken off the inbox: the outboxes tell streams from replies
         self.incarnation = uuid.uuid4().hex
         self._tls = _tls_files(tls)
@@ -154,11 +167,13 @@ class NngTransport(Transport):
         self._recv_fd = -1
         self._wake_r = self._wake_w = -1  # a pipe that wakes the I/O thread on close()
         self._net_lock = threading.Lock()
-        # Unix links: the listener, accepted links by fd, and our outgoing ones watched for the
-        # peer hanging up (fd -> peer). Readers rebuild their poll set when ``_links_gen`` moves.
+        # Links of our own (unix, tcp): the listeners (fd -> the Inbound class of what they
+        # accept), accepted links by fd, and our outgoing ones watched for the peer hanging up
+        # (fd -> peer). Readers rebuild their poll set when ``_links_gen`` moves.
         self._unix_listener: Any = None
-        self._inbound: dict[int, unixlink.Inbound] = {}
-        self._watched: dict[int, tuple[int, unixlink.Outbound]] = {}
+        self._listeners: dict[int, tuple[Any, Any]] = {}
+        self._inbound: dict[int, Any] = {}
+        self._watched: dict[int, tuple[int, unixlink.Sender]] = {}
         self._links_gen = 0
         self._pollers = threading.local()
 
@@ -185,6 +200,12 @@ class NngTransport(Transport):
         if self.unix_links:
             self._unix_listener = unixlink.listen(f"mq-{token}-link")
             self.addresses["unix"] = f"mq-{token}-link"
+            self._listeners[self._unix_listener.fileno()] = (self._unix_listener, unixlink.Inbound)
+        if self.tcp_links:
+            bind_host = tcplink.split_address(self.listen_to)[0]
+            listener = tcplink.listen(bind_host)
+            self.addresses["tcplink"] = self.addresses["tcp"].rpartition(":")[0] + f":{listener.getsockname()[1]}"
+            self._listeners[listener.fileno()] = (listener, tcplink.Inbound)
         # Read the fd here: a stop() racing the thread's start must not make it read a closed socket.
         self._recv_fd = sock.recv_fd
         self._reader = threading.Thread(target=self._read_loop, args=(self._recv_fd,), daemon=True,
@@ -243,8 +264,8 @@ class NngTransport(Transport):
             self._links_gen += 1
         for link in inbound:
             link.close()
-        if self._unix_listener is not None:
-            self._unix_listener.close()
+        for listener, _kind in self._listeners.values():
+            listener.close()
         if self._wake_w >= 0:
             os.write(self._wake_w, b"x")  # wake the I/O thread from poll()
         with self._readers_changed:
@@ -281,15 +302,23 @@ class NngTransport(Transport):
         if unix is not None and not (isinstance(unix, str) and unix.startswith("mq-") and len(unix) < 100
                                      and "\0" not in unix):
             raise ProtocolError(f"node {peer} advertised a malformed unix link name {unix!r}")
-        link = None
-        if unix is not None and not self._is_current(peer, info):
+        own_tcp = addresses.get("tcplink") if kind == "tcp" and self.tcp_links and not self.batch_window else None
+        if own_tcp is not None:
+            own_tcp = check_address(own_tcp, f"node {peer}'s tcp link address")
+        link: unixlink.Sender | None = None
+        if (unix or own_tcp) and not self._is_current(peer, info):
             try:  # outside the lock: a peer slow to accept must not hold up every other link
-                link = unixlink.Outbound(unix, min(self.timeout, 5.0), lambda: self._outbound_lost(peer))
+                if unix is not None:
+                    link = unixlink.Outbound(unix, min(self.timeout, 5.0), lambda: self._outbound_lost(peer))
+                else:
+                    link = tcplink.Outbound(own_tcp, min(self.timeout, _LINK_CONNECT_S),
+                                            lambda: self._outbound_lost(peer))
             except OSError as exc:
-                # Its abstract name is not in our network namespace (a container sharing only
-                # IPC): NNG's abstract ipc socket would not be either; tcp reaches it.
-                log.warning("node %d: cannot open the unix link to node %d (%s): using tcp",
-                            self.node_id, peer, exc)
+                # A unix link's abstract name is not in our network namespace (a container
+                # sharing only IPC): NNG's abstract ipc socket would not be either, tcp reaches
+                # it. A tcp link's port may be firewalled where NNG's port is open.
+                log.warning("node %d: cannot open the %s link to node %d (%s): using NNG's tcp",
+                            self.node_id, "unix" if unix else "tcp", peer, exc)
                 address = addresses.get("tcp")
                 if not isinstance(address, str):
                     raise ProtocolError(f"node {peer} advertised no tcp address") from None
@@ -326,7 +355,7 @@ class NngTransport(Transport):
         """Take ``peer``'s outgoing link out of the tables (``_net_lock`` held); the caller closes it."""
         box = self._out.pop(peer, None)
         self._out_incarnation.pop(peer, None)
-        if isinstance(box, unixlink.Outbound) and self._watched.pop(box.fd, None) is not None:
+        if isinstance(box, unixlink.Sender) and self._watched.pop(box.fd, None) is not None:
             self._links_gen += 1
         return box
 
@@ -385,9 +414,7 @@ class NngTransport(Transport):
             return cached[1]
         with self._net_lock:
             gen = self._links_gen
-            fds = [recv_fd, self._wake_r, *self._inbound, *self._watched]
-            if self._unix_listener is not None:
-                fds.append(self._unix_listener.fileno())
+            fds = [recv_fd, self._wake_r, *self._inbound, *self._watched, *self._listeners]
         poller = select.poll()
         for fd in fds:
             if fd >= 0:
@@ -397,17 +424,17 @@ class NngTransport(Transport):
 
     def _serve(self, events: list[tuple[int, int]], recv_fd: int, budget: int) -> bool:
         """Act on what poll() saw (read token held): deliver up to ``budget`` frames per source,
-        take new unix links, report hung-up ones. False once the inbox socket is closed."""
+        take new links, report hung-up ones. False once the inbox socket is closed."""
         for fd, _ev in events:
             if fd == recv_fd:
                 if not self._read_nng(budget):
                     return False
             elif fd in self._inbound:
-                self._read_unix(self._inbound[fd], budget)
+                self._read_link(self._inbound[fd], budget)
             elif fd in self._watched:
                 self._hung_up(fd)
-            elif self._unix_listener is not None and fd == self._unix_listener.fileno():
-                self._accept()
+            elif fd in self._listeners:
+                self._accept(*self._listeners[fd])
         return True
 
     def _read_nng(self, budget: int) -> bool:
@@ -425,7 +452,7 @@ class NngTransport(Transport):
                 break
         return True
 
-    def _read_unix(self, link: unixlink.Inbound, budget: int) -> None:
+    def _read_link(self, link: Any, budget: int) -> None:
         assert self._node is not None
         for _ in range(budget):
             try:
@@ -434,7 +461,7 @@ class NngTransport(Transport):
                 self._drop_inbound(link)  # its outgoing side reports the loss
                 return
             except ProtocolError as exc:  # the link's framing is lost: it is unusable
-                self._node.on_dropped(f"unix link {link.link}: {exc}; closed it")
+                self._node.on_dropped(f"{link.link[0]} link {link.link}: {exc}; closed it")
                 self._drop_inbound(link)
                 return
             if frame is None:
@@ -443,39 +470,40 @@ class NngTransport(Transport):
             try:
                 header, buffers = split(frame)
             except ProtocolError as exc:
-                self._node.on_dropped(f"frame on unix link {link.link}: {exc}")
+                self._node.on_dropped(f"frame on {link.link[0]} link {link.link}: {exc}")
                 continue
             self._node.on_frame(header, buffers, link.link)
 
-    def _accept(self) -> None:
+    def _accept(self, listener: Any, inbound: Any) -> None:
+        """Take the connections waiting on ``listener`` as links of class ``inbound``."""
         assert self._node is not None
         while True:
             try:
-                conn, _ = self._unix_listener.accept()
+                conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # out of fds: the pending ones wait in the backlog
-                log.warning("node %d: cannot accept a unix link: %s", self.node_id, exc)
+                log.warning("node %d: cannot accept a link: %s", self.node_id, exc)
                 return
-            link = unixlink.Inbound(conn, self._node.max_frame_bytes)
+            link = inbound(conn, self._node.max_frame_bytes)
             with self._net_lock:
-                if self._state != "listening" or len(self._inbound) >= _MAX_UNIX_LINKS:
-                    link.close()  # a flood of connections from this host must not take every fd
+                if self._state != "listening" or len(self._inbound) >= _MAX_LINKS:
+                    link.close()  # a flood of connections must not take every fd
                     if self._state != "listening":
                         return
-                    self._node.on_dropped(f"a unix link past the {_MAX_UNIX_LINKS} this node keeps")
+                    self._node.on_dropped(f"a link past the {_MAX_LINKS} this node keeps")
                     continue
                 self._inbound[link.fd] = link
                 self._links_gen += 1
 
-    def _drop_inbound(self, link: unixlink.Inbound) -> None:
+    def _drop_inbound(self, link: Any) -> None:
         with self._net_lock:
             if self._inbound.pop(link.fd, None) is link:
                 self._links_gen += 1
         link.close()
 
     def _hung_up(self, fd: int) -> None:
-        """Our outgoing unix link to a peer hung up: its process died or closed. (Anything else
+        """Our outgoing link (unix or tcp) to a peer hung up: its process died or closed. (Anything else
         on it ends it too: a peer never speaks on the link it accepted.)"""
         with self._net_lock:
             peer, _box = self._watched.get(fd, (None, None))
@@ -485,7 +513,7 @@ class NngTransport(Transport):
     def _outbound_lost(self, peer: int, fd: int | None = None) -> None:
         with self._net_lock:
             box = self._out.get(peer)
-            if not isinstance(box, unixlink.Outbound) or (fd is not None and box.fd != fd):
+            if not isinstance(box, unixlink.Sender) or (fd is not None and box.fd != fd):
                 box = None
             if fd is not None and self._watched.pop(fd, None) is not None:
                 self._links_gen += 1  # level-triggered: stop watching it, or poll() would spin
@@ -508,7 +536,7 @@ class NngTransport(Transport):
             try:
                 if ready():  # the I/O thread delivered what the caller waits for meanwhile
                     return True
-                if self._unix_listener is not None:
+                if self._listeners:
                     # Several sources: wait on all of them at once, in this thread.
                     ms = max(1, min(500, int(timeout * 1000)))
                     events = self._poller(self._recv_fd).poll(ms)

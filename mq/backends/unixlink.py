@@ -42,9 +42,14 @@ _serial = itertools.count(1)
 
 def listen(name: str) -> socket.socket:
     """A non-blocking SEQPACKET listener on the abstract name ``name`` (no leading NUL)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    return listener(socket.AF_UNIX, socket.SOCK_SEQPACKET, 0, "\0" + name)
+
+
+def listener(family: int, kind: int, proto: int, address: Any) -> socket.socket:
+    """A non-blocking socket listening on ``address`` (closed again if that fails)."""
+    sock = socket.socket(family, kind | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC, proto)
     try:
-        sock.bind("\0" + name)
+        sock.bind(address)
         sock.listen(128)
     except OSError:
         sock.close()
@@ -52,17 +57,48 @@ def listen(name: str) -> socket.socket:
     return sock
 
 
-class Inbound:
-    """One accepted connection: reads whole frames, a frame's datagrams reassembled."""
+class Receiver:
+    """The receiving side of one accepted link: ``read()`` gives its next whole frame."""
 
-    __slots__ = ("sock", "fd", "link", "max_frame", "_scratch", "_tag", "_buf", "_filled")
+    __slots__ = ("sock", "fd", "link", "max_frame")
 
-    def __init__(self, sock: socket.socket, max_frame: int):
+    def __init__(self, sock: socket.socket, max_frame: int, family: str, serial: int):
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
-        self.link = ("unix", next(_serial))  # what core binds to a peer at its handshake
+        self.link = (family, serial)  # what core binds to a peer at its handshake
         self.max_frame = max_frame
+
+    def read(self) -> bytearray | None:
+        raise NotImplementedError
+
+    def _recv(self, buffers: list[Any], flags: int = 0) -> int | None:
+        """Bytes read into ``buffers``, or None when none wait.
+
+        Raises:
+            EOFError: the sender closed (or died).
+        """
+        try:
+            n = self.sock.recvmsg_into(buffers, 0, flags)[0]
+        except BlockingIOError:
+            return None
+        except ConnectionError:
+            raise EOFError from None
+        if n == 0:
+            raise EOFError
+        return n
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Inbound(Receiver):
+    """One accepted connection: reads whole frames, a frame's datagrams reassembled."""
+
+    __slots__ = ("_scratch", "_tag", "_buf", "_filled")
+
+    def __init__(self, sock: socket.socket, max_frame: int):
+        super().__init__(sock, max_frame, "unix", next(_serial))
         self._scratch = bytearray(DATAGRAM)
         self._tag = bytearray(1)
         self._buf: bytearray | None = None  # a frame in pieces, and how much of it came
@@ -113,31 +149,67 @@ class Inbound:
                 self._buf = None
                 return buf
 
-    def _recv(self, buffers: list[Any]) -> int | None:
+    def _recv(self, buffers: list[Any], flags: int = socket.MSG_TRUNC) -> int | None:
         """One datagram into ``buffers``: its real length (MSG_TRUNC shows one longer than the
         room given), or None when none waits."""
-        try:
-            n = self.sock.recvmsg_into(buffers, 0, socket.MSG_TRUNC)[0]
-        except BlockingIOError:
-            return None
-        except ConnectionError:
-            raise EOFError from None
-        if n == 0:
-            raise EOFError
-        room = sum(len(b) for b in buffers)
-        if n > room:
+        n = super()._recv(buffers, flags)
+        if n is not None and n > (room := sum(len(b) for b in buffers)):
             raise ProtocolError(f"a {n}-byte datagram, longer than the {room} bytes due")
         return n
 
-    def close(self) -> None:
-        self.sock.close()
 
-
-class Outbound:
-    """This node's link to one same-host peer: frames in order, several sending threads.
+class Sender:
+    """The sending side of one link over a non-blocking socket: one frame at a time (several
+    threads may send), waits for room until the caller's deadline, and reports a peer gone.
 
     ``lost()`` is called (once) when a send finds the peer gone, before the send raises
     :class:`ClosedError`: the transport tells core, which then says PeerLost with what it knows."""
+
+    def __init__(self, sock: socket.socket, lost: Callable[[], None]):
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self._lost = lost
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def _hold(self, peer: int, timeout: float) -> None:
+        """Take the link for one frame (release ``_lock`` after), or raise Timeout."""
+        if not self._lock.acquire(timeout=max(timeout, 0.0)):
+            raise Timeout(f"node {peer} did not take the message within {timeout:g}s: other threads' "
+                          "frames to it are still going out; pass timeout= to wait longer")
+
+    def _wait_writable(self, peer: int, deadline: float, poller: Any) -> Any:
+        """The peer's socket buffer is full (it reads slowly): wait for room, or for its end."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise Timeout(f"node {peer} did not take the message in time: its queue is full "
+                          "(slow receiver) or it is unreachable; pass timeout= to wait longer")
+        if poller is None:
+            poller = select.poll()
+            poller.register(self.fd, select.POLLOUT)
+        poller.poll(max(1, int(left * 1000)))
+        if self.closed:
+            raise ClosedError("the link was closed while sending (the queue is stopping)")
+        return poller
+
+    def _broken(self, exc: OSError) -> Exception:
+        if not self.closed and exc.errno != errno.EBADF:
+            self.closed = True
+            self._lost()  # core marks the peer lost; the caller's ClosedError becomes PeerLost
+        return ClosedError(f"the link was closed while sending: {exc.strerror}")
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a sender waiting in poll()
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class Outbound(Sender):
+    """This node's link to one same-host peer: frames in order, several sending threads."""
 
     def __init__(self, name: str, timeout: float, lost: Callable[[], None]):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -147,13 +219,8 @@ class Outbound:
         except OSError:
             sock.close()
             raise
-        sock.setblocking(False)
-        self.sock = sock
-        self.fd = sock.fileno()
-        self._lost = lost
-        self._lock = threading.Lock()
+        super().__init__(sock, lost)
         self._abort_due = False  # a frame was cut off by a timeout: the peer must drop its start
-        self.closed = False
 
     def send(self, peer: int, frame: Frame, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -161,9 +228,7 @@ class Outbound:
         buf = bytearray(_PREFIX.size + size)
         _PREFIX.pack_into(buf, 0, size)
         frame.write_into(memoryview(buf)[_PREFIX.size:])
-        if not self._lock.acquire(timeout=max(timeout, 0.0)):
-            raise Timeout(f"node {peer} did not take the message within {timeout:g}s: other threads' "
-                          "frames to it are still going out; pass timeout= to wait longer")
+        self._hold(peer, timeout)
         try:
             if self._abort_due:
                 self._send(peer, [_ABORT], deadline)
@@ -190,34 +255,10 @@ class Outbound:
         poller = None
         while True:
             try:
-                self.sock.sendmsg(parts)
+                self.sock.sendmsg(parts)  # one datagram: all of it or nothing
                 return
             except BlockingIOError:
                 pass
             except OSError as exc:
                 raise self._broken(exc) from None
-            # The peer's socket buffer is full (it reads slowly): wait for room, or for its end.
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Timeout(f"node {peer} did not take the message in time: its queue is full "
-                              "(slow receiver) or it is unreachable; pass timeout= to wait longer")
-            if poller is None:
-                poller = select.poll()
-                poller.register(self.fd, select.POLLOUT)
-            poller.poll(max(1, int(left * 1000)))
-            if self.closed:
-                raise ClosedError("the link was closed while sending (the queue is stopping)")
-
-    def _broken(self, exc: OSError) -> Exception:
-        if not self.closed and exc.errno != errno.EBADF:
-            self.closed = True
-            self._lost()  # core marks the peer lost; the caller's ClosedError becomes PeerLost
-        return ClosedError(f"the link was closed while sending: {exc.strerror}")
-
-    def close(self) -> None:
-        self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a sender waiting in poll()
-        except OSError:
-            pass
-        self.sock.close()
+            poller = self._wait_writable(peer, deadline, poller)

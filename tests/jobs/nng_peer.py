@@ -22,6 +22,8 @@ def main() -> None:
                "count": {"queue_size": 2}}.get(mode, {})
     if os.environ.get("MQ_TEST_TLS"):  # {"cert","key","ca"} as JSON: links over TLS
         options.update(tls=json.loads(os.environ["MQ_TEST_TLS"]), protocol="tcp")
+    if os.environ.get("MQ_TEST_PROTOCOL"):  # e.g. tcp: a same-host peer over the tcp route
+        options["protocol"] = os.environ["MQ_TEST_PROTOCOL"]
     if os.environ.get("MQ_TEST_LISTEN"):  # another "host": listen where the test can dial back
         options["listen_to"] = os.environ["MQ_TEST_LISTEN"]
     q = mq.create("nng", node_id, "peer", attach_to=[attach], timeout=10, **options)

@@ -1,0 +1,217 @@
+"""Links between hosts over plain TCP sockets of mq's own: the nng transport's tcp route.
+
+Why not NNG's tcp: as over its ipc, an NNG message crosses three threads on each side (the
+caller's, NNG's poller, NNG's task thread), each hop a futex wake. Here the sender's ``send()``
+writes the socket and the receiving thread, waiting in ``poll()`` on it, reads the frame
+itself: one hop, as :mod:`mq.backends.unixlink` does on one host. NNG keeps the node's
+advertised port (``listen_to``, ``--ports``): joining (HELLO) goes there, and the HELLO carries
+this node's link address, an ephemeral port on the same interface. A peer that cannot open it
+(a firewall that lets only the advertised port in) falls back to NNG's tcp, with a warning.
+
+Wire: TCP is a byte stream, so frames go as records, each a 16-byte head
+``<tag u8, 3 zero bytes, length u32, frame size u64>`` (little-endian) and ``length`` bytes:
+``BEGIN`` (1) starts a frame of ``frame size`` bytes with its first piece, ``MORE`` (2) carries
+the next piece, ``ABORT`` (3, no bytes) drops the frame begun. A piece is at most :data:`PIECE`
+bytes. A send that times out half-way through a piece owes the peer the rest of it: the link
+sends that rest and an ABORT (now if it can, else before its next frame), so the receiver never
+delivers part of a frame and the stream never loses its framing.
+
+Who may connect: anyone who reaches the port. A connection is only a link: :class:`mq.core.MQ`
+takes no frame from it before a signed handshake frame bound it to a peer, as for NNG pipes.
+A record that breaks the rules (an unknown tag, a frame over ``max_frame_bytes``, a piece past
+its frame) closes that connection and is counted, like a malformed frame.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import struct
+import time
+from typing import Any, Callable
+
+from mq.backends.unixlink import Receiver, Sender, listener
+from mq.codec import Frame
+from mq.errors import ProtocolError, Timeout
+
+PIECE = 256 << 10  # at most this much of a frame per record: what a timed-out send may still owe
+_HEAD = struct.Struct("<BxxxIQ")  # tag, piece length, frame size (BEGIN only)
+BEGIN, MORE, ABORT = 1, 2, 3
+_ABORT_RECORD = _HEAD.pack(ABORT, 0, 0)
+_serial = itertools.count(1)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port); IPv6 hosts in brackets."""
+    host, _, port = address.partition("://")[2].rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def listen(host: str) -> socket.socket:
+    """A non-blocking TCP listener on an ephemeral port of ``host`` (the node's interface)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    return listener(family, kind, proto, addr)
+
+
+class Inbound(Receiver):
+    """One accepted connection: reads its records, a frame's pieces straight into the frame."""
+
+    __slots__ = ("_head", "_head_got", "_buf", "_filled", "_piece_end")
+
+    def __init__(self, sock: socket.socket, max_frame: int):
+        super().__init__(sock, max_frame, "tcp", next(_serial))
+        self._head = bytearray(_HEAD.size)
+        self._head_got = 0
+        self._buf: bytearray | None = None  # the frame being filled, how much of it came, and
+        self._filled = 0                    # where the current piece ends
+        self._piece_end = 0
+
+    def read(self) -> bytearray | None:
+        """The next whole frame, or None when none is complete yet (nothing blocks, and nothing
+        is kept back: what the socket holds past one frame stays in the socket, so a level-
+        triggered poll() still sees it).
+
+        Raises:
+            EOFError: the sender closed (or died).
+            ProtocolError: a record no frame can be made of (the link is unusable).
+        """
+        while True:
+            buf = self._buf
+            if buf is not None and self._filled < self._piece_end:
+                n = self._recv([memoryview(buf)[self._filled:self._piece_end]])
+                if n is None:
+                    return None
+                self._filled += n
+                if self._filled == len(buf):
+                    self._buf = None
+                    return buf
+                continue
+            n = self._recv([memoryview(self._head)[self._head_got:]])
+            if n is None:
+                return None
+            self._head_got += n
+            if self._head_got == _HEAD.size:
+                self._head_got = 0
+                self._record(*_HEAD.unpack(self._head))
+
+    def _record(self, tag: int, length: int, size: int) -> None:
+        """Act on a record's head: start a frame, a piece, or drop the frame begun."""
+        buf = self._buf
+        if tag == BEGIN:
+            if buf is not None:
+                raise ProtocolError("a frame begins inside another")
+            if size > self.max_frame:
+                raise ProtocolError(f"frame of {size} bytes exceeds max_frame_bytes={self.max_frame}")
+            if not 0 < length <= min(size, PIECE):
+                raise ProtocolError(f"frame of {size} bytes begins with a {length}-byte piece")
+            try:
+                self._buf = bytearray(size)  # zero pages until written
+            except MemoryError:  # e.g. many links each claiming a huge frame
+                raise ProtocolError(f"no memory for a frame of {size} bytes") from None
+            self._filled, self._piece_end = 0, length
+        elif tag == MORE:
+            if buf is None or not 0 < length <= min(PIECE, len(buf) - self._filled) or size:
+                raise ProtocolError(f"a {length}-byte piece where "
+                                    f"{0 if buf is None else len(buf) - self._filled} bytes were due")
+            self._piece_end = self._filled + length
+        elif tag == ABORT and not length and not size:
+            self._buf = None  # the sender gave up on this frame (its send timed out)
+            self._filled = self._piece_end = 0
+        else:
+            raise ProtocolError(f"a record with tag {tag}, length {length}, size {size}")
+
+
+
+class Outbound(Sender):
+    """This node's link to one peer on another host (or in another network namespace)."""
+
+    def __init__(self, address: str, timeout: float, lost: Callable[[], None]):
+        sock = socket.create_connection(split_address(address), timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are whole already
+        except OSError:
+            sock.close()
+            raise
+        super().__init__(sock, lost)
+        self._owed: list[Any] = []  # the rest of a record a timed-out send began
+        self._abort_due = False  # and the frame it belonged to must be dropped at the peer
+
+    def send(self, peer: int, frame: Frame, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        size = frame.size
+        first = min(size, PIECE)
+        buf = bytearray(_HEAD.size + size)
+        _HEAD.pack_into(buf, 0, BEGIN, first, size)
+        frame.write_into(memoryview(buf)[_HEAD.size:])
+        view = memoryview(buf)
+        self._hold(peer, timeout)
+        try:
+            sent = 0
+            if self._owed or self._abort_due:
+                self._settle(peer, deadline)
+            elif first == size:  # the common case, a one-record frame: try it in one syscall
+                try:
+                    sent = self.sock.send(buf)
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    raise self._broken(exc) from None
+                if sent == len(buf):
+                    return
+            self._record(peer, [view[sent:_HEAD.size + first]], deadline, begun=sent > 0)
+            for start in range(_HEAD.size + first, len(buf), PIECE):
+                piece = view[start:start + PIECE]
+                self._record(peer, [_HEAD.pack(MORE, len(piece), 0), piece], deadline, begun=True)
+        finally:
+            self._lock.release()
+
+    def _record(self, peer: int, parts: list[Any], deadline: float, begun: bool) -> None:
+        """Send (the rest of) one record, or raise Timeout. ``begun``: bytes of this frame went
+        already, so a timeout leaves the frame for the peer to drop."""
+        total = sum(len(p) for p in parts)
+        self._owed = parts
+        try:
+            self._drain(peer, deadline)
+        except Timeout:
+            if not begun and sum(len(p) for p in self._owed) == total:
+                self._owed = []  # nothing of this frame left: nothing is owed, nothing to drop
+            else:
+                # Part of the frame left: the peer drops it on the abort, sent (after the rest
+                # of this record) now or before the next frame. The caller's frame was not
+                # delivered, as Timeout says.
+                self._abort_due = True
+                try:
+                    self._settle(peer, time.monotonic())
+                except Timeout:
+                    pass
+            raise
+
+    def _settle(self, peer: int, deadline: float) -> None:
+        """Finish what a timed-out send left: the rest of its record, then the abort."""
+        self._drain(peer, deadline)
+        if self._abort_due:
+            self._owed, self._abort_due = [memoryview(_ABORT_RECORD)], False
+            self._drain(peer, deadline)
+
+    def _drain(self, peer: int, deadline: float) -> None:
+        """Send all of ``_owed`` (a partial send leaves the rest in it), or raise Timeout."""
+        owed = self._owed
+        poller = None
+        while owed:
+            try:
+                n = self.sock.sendmsg(owed)
+            except BlockingIOError:
+                n = 0
+            except OSError as exc:
+                raise self._broken(exc) from None
+            while n:
+                head = owed[0]
+                if n >= len(head):
+                    n -= len(head)
+                    owed.pop(0)
+                else:
+                    owed[0] = memoryview(head)[n:]
+                    n = 0
+            if owed:
+                poller = self._wait_writable(peer, deadline, poller)

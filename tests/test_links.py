@@ -1,0 +1,316 @@
+"""nng's own links (mq.backends.unixlink: unix SEQPACKET on one host; mq.backends.tcplink: TCP
+records between hosts): framing on real kernel sockets, hostile datagrams and records, a frame cut
+off by a timeout, and the nng transport choosing the link per peer, falling back to NNG's own
+sockets where a link cannot be opened."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import mq
+from mq.backends import tcplink, unixlink
+from mq.codec import MSG, Codec, split
+from mq.errors import ProtocolError
+from mq.testing import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAD = struct.Struct("<BxxxIQ")  # a tcp link record's head
+
+
+def frame_of(payload, topic: str = "t"):
+    return Codec().encode(MSG, topic, 1, 0, 0, payload)
+
+
+def decoded(data) -> object:
+    return Codec().decode(*split(data)).payload
+
+
+@contextlib.contextmanager
+def joined(kind: str):
+    """(Outbound, Inbound, lost-calls) of one kind of link, joined through a real listener."""
+    lost: list[int] = []
+    if kind == "unix":
+        name = f"mq-test-{uuid.uuid4().hex[:12]}"
+        listener = unixlink.listen(name)
+        out = unixlink.Outbound(name, 5.0, lambda: lost.append(1))
+    else:
+        listener = tcplink.listen("127.0.0.1")
+        out = tcplink.Outbound(f"tcp://127.0.0.1:{listener.getsockname()[1]}", 5.0, lambda: lost.append(1))
+    listener.setblocking(True)
+    conn, _ = listener.accept()
+    inbound = (unixlink.Inbound if kind == "unix" else tcplink.Inbound)(conn, 64 << 20)
+    try:
+        yield out, inbound, lost
+    finally:
+        out.close()
+        inbound.close()
+        listener.close()
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def link_pair(request):
+    with joined(request.param) as pair:
+        yield pair
+
+
+@pytest.fixture
+def unix_pair():
+    with joined("unix") as pair:
+        yield pair
+
+
+@pytest.fixture
+def tcp_pair():
+    with joined("tcp") as pair:
+        yield pair
+
+
+def read_all(inbound, count: int, timeout: float = 10) -> list:
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        frame = inbound.read()
+        if frame is None:
+            time.sleep(0.002)
+        else:
+            got.append(frame)
+    assert len(got) == count, f"{len(got)} of {count} frames within {timeout}s"
+    return got
+
+
+def read_all_available(inbound, quiet: float = 0.5) -> list:
+    got, last = [], time.monotonic()
+    while time.monotonic() - last < quiet:
+        frame = inbound.read()
+        if frame is None:
+            time.sleep(0.005)
+        else:
+            got.append(frame)
+            last = time.monotonic()
+    return got
+
+
+def _raises(inbound, why: str) -> bool:
+    try:
+        inbound.read()
+    except ProtocolError as exc:
+        assert why in str(exc)
+        return True
+    return False
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    s.settimeout(0.1)
+    try:
+        return s.recv(1) == b""
+    except socket.timeout:
+        return False
+    except ConnectionError:
+        return True
+
+
+# ---------------------------------------------------------------------- both kinds of link
+def test_small_and_chunked_frames_arrive_whole_and_in_order(link_pair):
+    out, inbound, _ = link_pair
+    big = np.arange(3 * tcplink.PIECE + 12_345, dtype=np.uint8)  # many datagrams / four pieces
+    payloads = [1, {"blob": big}, *range(2, 200)]
+    sender = threading.Thread(target=lambda: [out.send(1, frame_of(x), 5) for x in payloads])
+    sender.start()  # more than the socket buffer holds: it waits for the reader
+    got = read_all(inbound, len(payloads))
+    sender.join(10)
+    assert decoded(got[0]) == 1 and [decoded(g) for g in got[2:]] == list(range(2, 200))
+    assert np.array_equal(decoded(got[1])["blob"], big)
+    assert inbound.read() is None  # nothing kept back, nothing more
+
+
+def test_a_frame_cut_off_by_a_timeout_is_dropped_and_the_next_arrives(link_pair):
+    out, inbound, _ = link_pair
+    out.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # fill up soon
+    huge = frame_of(np.zeros(32 << 20, dtype=np.uint8))  # far more than the socket buffers hold
+    with pytest.raises(mq.Timeout):
+        out.send(1, huge, 0.3)  # nobody reads: part of it left, the rest timed out
+    sender = threading.Thread(target=out.send, args=(1, frame_of("after"), 10))
+    sender.start()  # sends the abort mark first (tcp: after the rest of the piece it began)
+    got = read_all(inbound, 1, timeout=20)
+    sender.join(10)
+    assert [decoded(g) for g in got] == ["after"]  # the cut frame never surfaced
+    assert inbound.read() is None
+
+
+def test_a_closed_sender_reads_as_end_of_link(link_pair):
+    out, inbound, _ = link_pair
+    out.close()
+    with pytest.raises(EOFError):
+        for _ in range(500):
+            inbound.read()
+            time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- unix datagrams
+@pytest.mark.parametrize("kind, data, why", [
+    ("unix", b"\x01\x02\x03", "holds no frame length"),
+    ("unix", struct.pack("<Q", 1 << 40) + b"x", "exceeds max_frame_bytes"),
+    ("unix", struct.pack("<Q", 10) + b"x" * 20, "begins with a 20-byte piece"),
+    ("unix", struct.pack("<Q", 100_000) + b"x" * 100, "begins with a 100-byte piece"),
+    ("unix", struct.pack("<Q", 200_000) + b"x" * unixlink.DATAGRAM, "longer than the 65536 bytes due"),
+    ("tcp", HEAD.pack(9, 0, 0), "tag 9"),
+    ("tcp", HEAD.pack(tcplink.BEGIN, 8, 1 << 40), "exceeds max_frame_bytes"),
+    ("tcp", HEAD.pack(tcplink.BEGIN, 20, 10), "begins with a 20-byte piece"),
+    ("tcp", HEAD.pack(tcplink.BEGIN, 0, 10), "begins with a 0-byte piece"),
+    ("tcp", HEAD.pack(tcplink.BEGIN, tcplink.PIECE + 1, 10 << 20), f"begins with a {tcplink.PIECE + 1}-byte piece"),
+    ("tcp", HEAD.pack(tcplink.MORE, 10, 0), "a 10-byte piece where 0 bytes were due"),
+    ("tcp", HEAD.pack(tcplink.BEGIN, 10, 100) + b"x" * 10 + HEAD.pack(tcplink.BEGIN, 10, 100), "inside another"),
+    ("tcp", HEAD.pack(tcplink.BEGIN, 10, 100) + b"x" * 10 + HEAD.pack(tcplink.MORE, 91, 0), "91-byte piece"),
+    ("tcp", HEAD.pack(tcplink.ABORT, 5, 0), "tag 3"),
+])
+def test_malformed_datagrams_and_records_are_protocol_errors(kind, data, why):
+    with joined(kind) as (out, inbound, _):
+        out.sock.send(data)  # one datagram (unix); a few bytes of a stream (tcp)
+        assert wait_until(lambda: _raises(inbound, why), 5)
+
+
+def test_a_continuation_with_a_wrong_tag_is_a_protocol_error(unix_pair):
+    out, inbound, _ = unix_pair
+    out.sock.send(struct.pack("<Q", 100_000) + b"x" * (unixlink.DATAGRAM - 8))
+    out.sock.send(b"\x07" + b"y" * 100)
+    assert wait_until(lambda: _raises(inbound, "tag 7"), 5)
+
+
+# ---------------------------------------------------------------------- tcp records
+def test_a_tcp_send_cut_off_mid_piece_owes_its_rest_then_an_abort(tcp_pair):
+    out, inbound, _ = tcp_pair
+    out.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+    with pytest.raises(mq.Timeout):
+        out.send(1, frame_of(np.zeros(32 << 20, dtype=np.uint8)), 0.3)
+    assert out._owed and out._abort_due  # the rest of a piece, then the abort, before anything else
+    sender = threading.Thread(target=out.send, args=(1, frame_of("after"), 10))
+    sender.start()
+    assert [decoded(g) for g in read_all(inbound, 1, timeout=20)] == ["after"]
+    sender.join(10)
+    assert not out._owed and not out._abort_due
+
+
+def test_a_tcp_send_that_times_out_leaves_only_whole_frames(tcp_pair):
+    out, inbound, _ = tcp_pair
+    out.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+    with pytest.raises(mq.Timeout):
+        while True:  # fill the socket buffers with small frames until one cannot go whole
+            out.send(1, frame_of(np.zeros(8 << 10, dtype=np.uint8)), 0.05)
+    # Either nothing of the last one left (nothing owed) or some did (owed, then aborted): the
+    # reader sees only whole frames either way.
+    got = read_all_available(inbound)
+    assert got and all(decoded(f).shape == (8 << 10,) for f in got)
+
+
+def test_a_record_split_across_segments_still_reads_whole(tcp_pair):
+    out, inbound, _ = tcp_pair
+    frame = frame_of("slow")
+    data = HEAD.pack(tcplink.BEGIN, frame.size, frame.size) + frame.to_bytes()
+    for i in range(len(data) - 1):  # a byte at a time: every read sees a partial head or piece
+        out.sock.sendall(data[i:i + 1])
+        time.sleep(0.001)
+        assert inbound.read() is None
+    out.sock.sendall(data[-1:])
+    assert [decoded(f) for f in read_all(inbound, 1)] == ["slow"]
+
+
+# ---------------------------------------------------------------------- in the nng transport
+@contextlib.contextmanager
+def peer_of(node: mq.MQ, **env: str):
+    """tests.jobs.nng_peer as node 1 (mode hang) in another process on this host, joined to
+    ``node``, with ``env`` (MQ_TEST_PROTOCOL=tcp: over the tcp route); killed on exit."""
+    proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.nng_peer", "1", node.addresses["tcp"], "hang"],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True, env=dict(os.environ, **env))
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        node.wait_for_peers(ids=[1], timeout=10)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def peer_proc(request):
+    """(node 0, node 1's process, the kind of link between them) on the shm or tcp route."""
+    protocol = "auto" if request.param == "unix" else "tcp"
+    node = mq.create("nng", 0, "learner", protocol=protocol, timeout=5)
+    with node, peer_of(node, MQ_TEST_PROTOCOL=protocol) as proc:
+        yield node, proc, request.param
+
+
+def test_a_peer_is_reached_over_a_link_of_our_own_both_ways(peer_proc):
+    node, _, kind = peer_proc
+    assert node.routes()[1].kind == ("shm" if kind == "unix" else "tcp")
+    assert isinstance(node.transport._out[1], unixlink.Outbound if kind == "unix" else tcplink.Outbound)
+    assert node.call(1, "echo", {"x": np.arange(5)}, timeout=5)["x"].tolist() == [0, 1, 2, 3, 4]
+    assert node.call(1, "echo", "y" * 300_000, timeout=5) == "y" * 300_000  # inline, in pieces
+    # The answers came back on a link the peer opened to us, not through NNG.
+    assert [link.link[0] for link in node.transport._inbound.values()] == [kind]
+
+
+def test_hostile_bytes_close_that_link_only(peer_proc):
+    node, _, kind = peer_proc
+    if kind == "unix":
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect("\0" + node.addresses["unix"])
+        garbage = b"\x00\x01"  # no frame length
+    else:
+        s = socket.create_connection(tcplink.split_address(node.addresses["tcplink"]), 5)
+        garbage = HEAD.pack(7, 1, 1) + b"\x00"  # no such record
+    try:
+        s.send(garbage)  # the stranger's link is closed, counted
+        assert wait_until(lambda: node.stats().dropped_malformed >= 1)
+        assert wait_until(lambda: _closed_by_peer(s), 5)
+    finally:
+        s.close()
+    assert node.call(1, "echo", "still here", timeout=5) == "still here"
+
+
+def test_a_sigkilled_peer_is_lost_at_once(peer_proc):
+    node, proc, _ = peer_proc
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert wait_until(lambda: 1 not in node.peers(), 5)
+    assert time.monotonic() - killed < 2.0  # the link's hang-up, not the heartbeat bound
+    with pytest.raises(mq.PeerLost):
+        node.send(1, "work", 1)
+
+
+def test_a_link_port_that_cannot_be_reached_falls_back_to_nng_tcp():
+    node = mq.create("nng", 0, protocol="tcp", timeout=5).listen()
+    try:
+        for listener, kind in list(node.transport._listeners.values()):
+            if kind is tcplink.Inbound:  # as if a firewall let only NNG's port in
+                listener.close()
+        with peer_of(node, MQ_TEST_PROTOCOL="tcp"):
+            assert node.call(1, "echo", "via NNG", timeout=5) == "via NNG"  # the answer found a way
+            assert not [link for link in node.transport._inbound.values() if link.link[0] == "tcp"]
+            assert isinstance(node.transport._out[1], tcplink.Outbound)  # its port was open
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("protocol, options", [
+    ("auto", {"unix_links": False}), ("tcp", {"tcp_links": False}), ("tcp", {"batch_window": 100e-6})])
+def test_links_off_or_batching_use_nng_sockets(protocol, options):
+    node = mq.create("nng", 0, protocol=protocol, timeout=5, **options)
+    with node, peer_of(node, MQ_TEST_PROTOCOL=protocol):
+        assert not isinstance(node.transport._out[1], unixlink.Sender)
+        assert ("unix" in node.addresses) == options.get("unix_links", True)
+        assert ("tcplink" in node.addresses) == options.get("tcp_links", True)
+        assert node.call(1, "echo", 7, timeout=5) == 7
