@@ -510,6 +510,23 @@ class Frame:
                 out[off:off + n] = memoryview(buf).cast("B")
             end = off + n
 
+    def parts(self) -> list[memoryview]:
+        """The contiguous layout as views to gather (``sendmsg``), in order: the buffers are
+        not copied, so they must not change until the views are sent."""
+        end = 4 + len(self.header)
+        prefix = bytearray(self._offsets[0] if self.sizes else end)  # length, header, padding
+        _U32.pack_into(prefix, 0, len(self.header))
+        prefix[4:end] = self.header
+        out = [memoryview(prefix)]
+        pos = len(prefix)
+        for off, buf, n in zip(self._offsets, self.buffers, self.sizes):
+            if off > pos:
+                out.append(memoryview(ZERO_PAD)[:off - pos])
+            if n:
+                out.append(memoryview(buf).cast("B"))
+            pos = off + n
+        return out
+
     def to_bytes(self) -> bytearray:
         out = bytearray(self.size)
         self.write_into(memoryview(out))

@@ -266,3 +266,11 @@ def test_padding_in_the_contiguous_layout_is_zeroed():
     out = bytearray(b"\xee" * frame.size)
     frame.write_into(memoryview(out))
     assert out == frame.to_bytes()  # to_bytes writes into zeroed memory
+
+
+@pytest.mark.parametrize("payload", [7, {"a": np.arange(3, dtype=np.int8), "b": np.ones(1), "c": b"x" * 70_000},
+                                     np.zeros(0), [np.arange(5), np.arange(100_000, dtype=np.float32)]])
+def test_the_gathered_parts_are_the_contiguous_layout(payload):
+    # The tcp link sends large frames as these views (sendmsg), the same bytes as to_bytes().
+    frame = Codec().encode(MSG, "t", 1, 0, 0, payload)
+    assert b"".join(frame.parts()) == frame.to_bytes()

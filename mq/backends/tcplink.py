@@ -35,6 +35,7 @@ from mq.codec import Frame
 from mq.errors import ProtocolError, Timeout
 
 PIECE = 256 << 10  # at most this much of a frame per record: what a timed-out send may still owe
+COPY_MAX = 64 << 10  # frames up to this size are copied into one record; larger ones gathered
 _HEAD = struct.Struct("<BxxxIQ")  # tag, piece length, frame size (BEGIN only)
 BEGIN, MORE, ABORT = 1, 2, 3
 _ABORT_RECORD = _HEAD.pack(ABORT, 0, 0)
@@ -140,29 +141,31 @@ class Outbound(Sender):
     def send(self, peer: int, frame: Frame, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         size = frame.size
-        first = min(size, PIECE)
-        buf = bytearray(_HEAD.size + size)
-        _HEAD.pack_into(buf, 0, BEGIN, first, size)
-        frame.write_into(memoryview(buf)[_HEAD.size:])
-        view = memoryview(buf)
+        buf = records = None
+        if size <= COPY_MAX:  # small: one copy, one record, usually one syscall
+            buf = bytearray(_HEAD.size + size)
+            _HEAD.pack_into(buf, 0, BEGIN, size, size)
+            frame.write_into(memoryview(buf)[_HEAD.size:])
+        else:  # large: the frame's own buffers, gathered by the kernel (no copy, no page faults)
+            records = _records(frame.parts(), size)
         self._hold(peer, timeout)
         try:
-            sent = 0
             if self._owed or self._abort_due:
                 self._settle(peer, deadline)
-            elif first == size:  # the common case, a one-record frame: try it in one syscall
-                try:
-                    sent = self.sock.send(buf)
-                except BlockingIOError:
-                    pass
-                except OSError as exc:
-                    raise self._broken(exc) from None
-                if sent == len(buf):
-                    return
-            self._record(peer, [view[sent:_HEAD.size + first]], deadline, begun=sent > 0)
-            for start in range(_HEAD.size + first, len(buf), PIECE):
-                piece = view[start:start + PIECE]
-                self._record(peer, [_HEAD.pack(MORE, len(piece), 0), piece], deadline, begun=True)
+            if buf is not None:
+                sent = 0
+                if not self._owed:
+                    try:
+                        sent = self.sock.send(buf)
+                    except BlockingIOError:
+                        pass
+                    except OSError as exc:
+                        raise self._broken(exc) from None
+                if sent < len(buf):
+                    self._record(peer, [memoryview(buf)[sent:]], deadline, begun=sent > 0)
+                return
+            for i, record in enumerate(records or ()):
+                self._record(peer, record, deadline, begun=i > 0)
         finally:
             self._lock.release()
 
@@ -215,3 +218,19 @@ class Outbound(Sender):
                     n = 0
             if owed:
                 poller = self._wait_writable(peer, deadline, poller)
+
+
+def _records(parts: list[memoryview], size: int) -> list[list[Any]]:
+    """A frame's parts cut into records of at most :data:`PIECE` bytes, each led by its head."""
+    pieces: list[list[memoryview]] = [[]]
+    room = PIECE
+    for part in parts:
+        while len(part):
+            if not room:
+                pieces.append([])
+                room = PIECE
+            pieces[-1].append(part[:room])
+            taken = min(room, len(part))
+            part, room = part[taken:], room - taken
+    return [[_HEAD.pack(MORE if i else BEGIN, sum(len(v) for v in piece), 0 if i else size), *piece]
+            for i, piece in enumerate(pieces)]
