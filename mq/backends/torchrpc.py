@@ -70,8 +70,11 @@ Ordering and backpressure
 TensorPipe runs incoming requests on a thread pool, so frames of one sender can be handled out
 of order. The receiver keeps, per sender, the next expected ``seq`` and the frames that came
 early, and passes frames in send order to one delivery thread (which runs
-:meth:`mq.core.MQ._deliver`, off TensorPipe's threads). The op never blocks: it parks the frame
-and returns. Flow control is by credit: a sender may have at most ``send_window`` frames, and
+:meth:`mq.core.MQ._deliver`, off TensorPipe's threads), or, while a thread waits in ``recv()``
+or ``call()``, to that thread (``read_in_caller``: one thread hop less per message); one thread
+at a time takes and delivers, so the order holds. The op never blocks: it parks the frame
+and returns. Same-host buffers of at least ``shm_inline_max`` (4 MiB) go by shm descriptor;
+smaller ones ride in the RPC (see the class attribute for the measurements). Flow control is by credit: a sender may have at most ``send_window`` frames, and
 ``send_window_bytes`` bytes (one frame always fits), that the receiver has not yet consumed
 (handed to its queue or handler). Credit comes back in every RPC's return value and in every
 frame the other way; a blocked sender sends a -2 frame, and the receiver answers with a -1
