@@ -23,6 +23,7 @@ request thread, which it keeps apart from the threads that carry frames.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -212,6 +213,9 @@ class MQ:
         self._stats = Stats()
         self._metrics = _metrics.Metrics()
         self._fanout = _fanout.Fanout(self, relay_min_bytes, relay_shape)
+        self._answers: collections.deque[tuple[int, dict[str, Any], Peer, dict[str, Any]]] = collections.deque()
+        self._answers_changed = threading.Condition()
+        self._joiner: threading.Thread | None = None  # answers HELLOs when connect may block
 
     # ------------------------------------------------------------------ lifecycle
     def listen(self) -> "MQ":
@@ -781,11 +785,45 @@ class MQ:
             if len(self._pending) >= _MAX_PENDING:  # a join flood must not grow without bound
                 self._drop_pending(next(iter(self._pending)), "too many joins in progress")
             self._pending[(peer_id, info["incarnation"])] = (nonce, peer, time.monotonic())
+        if self.transport.connect_may_block:
+            self._answer_later((peer_id, info, peer, ack))
+        else:
+            self._answer_hello(peer_id, info, peer, ack)
+
+    def _answer_hello(self, peer_id: int, info: dict[str, Any], peer: Peer, ack: dict[str, Any]) -> None:
+        """Open the link to a node that said HELLO and answer on it (its first frame)."""
         try:
             self.transport.connect(peer_id, info, peer.route)
             self._send_raw(peer_id, self._encode(HELLO_ACK, "", ack), min(self.timeout, 5.0))
         except (MQError, OSError) as exc:
             log.debug("node %d: could not answer the HELLO of node %d: %s", self.node_id, peer_id, exc)
+
+    def _answer_later(self, answer: tuple[int, dict[str, Any], Peer, dict[str, Any]]) -> None:
+        """Answer a HELLO from the joins thread: the transport's connect may block (a tcp link
+        to a port that drops SYNs), and a HELLO proves nothing yet, so a stranger's forged ones
+        must not hold up the I/O thread. At most _MAX_PENDING wait; the oldest goes first."""
+        with self._answers_changed:
+            if len(self._answers) >= _MAX_PENDING:
+                dropped = self._answers.popleft()
+                self._reject("pending_overflow", f"too many joins to answer: node {dropped[0]}'s waits")
+            self._answers.append(answer)
+            if self._joiner is None:
+                self._joiner = threading.Thread(target=self._joins_loop, daemon=True,
+                                                name=f"mq{self.node_id}-joins")
+                self._joiner.start()
+            self._answers_changed.notify()
+
+    def _joins_loop(self) -> None:
+        while self._state == "listening":
+            with self._answers_changed:
+                if not self._answers:
+                    self._answers_changed.wait(0.5)
+                    continue
+                peer_id, info, peer, ack = self._answers.popleft()
+            with self._lock:
+                waiting = (peer_id, info["incarnation"]) in self._pending
+            if waiting:  # not dropped meanwhile (timed out, or pushed out by a flood)
+                self._answer_hello(peer_id, info, peer, ack)
 
     def _drop_pending(self, key: tuple[int, str], why: str) -> None:
         """Forget a join that never completed (called with the lock held)."""

@@ -18,6 +18,7 @@ Contract (every method may be called from any thread unless it says otherwise):
 ``connect(peer, info, route)``
     Open the data link to a peer that said HELLO (``info`` is its HELLO payload, ``route`` the
     route core chose). Idempotent for the same peer incarnation. Symmetric: both sides call it.
+    Set ``connect_may_block`` when it can take seconds.
 ``disconnect(peer)``
     Close the link to ``peer`` now (core lost it): a ``send`` or ``request`` blocked on it
     returns at once.
@@ -98,6 +99,9 @@ class Transport:
     keeps_tensors = False
     #: the transport implements ``request`` (request and reply in one exchange)
     answers_requests = False
+    #: ``connect`` may block for seconds (a tcp connect to a port that drops SYNs): core then
+    #: answers HELLOs (unproven, so a stranger's may be forged) off the I/O thread
+    connect_may_block = False
     #: this node's addresses by kind, filled by start()
     addresses: dict[str, str]
 

@@ -178,6 +178,37 @@ def test_garbage_and_a_join_flood_leave_the_node_serving_and_stop_bounded():
         assert time.monotonic() - t0 < 4.5
 
 
+def test_forged_hellos_naming_a_port_that_drops_syns_do_not_stall_the_node(learner):
+    # A HELLO proves nothing yet, and answering it opens a link to the address it names: a tcp
+    # link's connect to a port that drops SYNs waits up to 2 s. Those waits happen off the I/O
+    # thread, so a stranger's flood of such HELLOs leaves the node serving its real peers.
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    filler = socket.create_connection(blackhole.getsockname(), 2)  # the backlog is full: SYNs drop
+    sink = f"tcp://127.0.0.1:{blackhole.getsockname()[1]}"
+    proc = peer(learner)
+    s = stranger(learner, "tcp")
+    try:
+        learner.wait_for_peers(ids=[1], timeout=10)
+        for n in range(10):
+            hello = {"node_id": 1000 + n, "incarnation": f"i{n}", "nonce": os.urandom(16),
+                     "addresses": {"tcp": sink, "tcplink": sink}, "token": f"t{n}"}
+            s.send(raw_frame(HELLO, 1000 + n, hello, topic=""))
+        time.sleep(0.3)  # the HELLOs arrived and wait for their answers
+        t0 = time.monotonic()
+        for _ in range(5):
+            assert learner.call(1, "echo", "served", timeout=5) == "served"
+        took = time.monotonic() - t0
+        print(f"5 calls during a flood of 10 HELLOs naming a SYN sink: {took:.3f}s")
+        assert took < 1.5, took  # 10 connects on the I/O thread would have taken ~20 s
+    finally:
+        s.close()
+        stop(proc)
+        filler.close()
+        blackhole.close()
+
+
 # ---------------------------------------------------------------------- failures
 @pytest.mark.parametrize("protocol", ["auto", "tcp"])  # a unix link, a tcp link
 def test_a_blocked_sender_gets_peer_lost_within_a_second_of_sigkill(protocol):

@@ -147,6 +147,7 @@ class NngTransport(Transport):
         if type(tcp_links) is not bool:
             raise ConfigError(f"tcp_links must be True or False, got {tcp_links!r}")
         self.tcp_links = tcp_links and tls is None
+        self.connect_may_block = self.tcp_links  # a tcp link's connect waits up to _LINK_CONNECT_S
         self.received = 0  # NNG messages taken off the inbox: the outboxes tell streams from replies
         self.incarnation = uuid.uuid4().hex
         self._tls = _tls_files(tls)
