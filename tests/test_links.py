@@ -291,18 +291,28 @@ def test_a_sigkilled_peer_is_lost_at_once(peer_proc):
         node.send(1, "work", 1)
 
 
-def test_a_link_port_that_cannot_be_reached_falls_back_to_nng_tcp():
+@pytest.mark.parametrize("firewall", ["refuses", "drops"])
+def test_a_link_port_that_cannot_be_reached_falls_back_to_nng_tcp(firewall):
     node = mq.create("nng", 0, protocol="tcp", timeout=5).listen()
+    sink = socket.socket()  # a listener whose backlog is full: SYNs to it are dropped
+    sink.bind(("127.0.0.1", 0))
+    sink.listen(0)
+    filler = socket.create_connection(sink.getsockname(), 2)
     try:
-        for listener, kind in list(node.transport._listeners.values()):
-            if kind is tcplink.Inbound:  # as if a firewall let only NNG's port in
-                listener.close()
+        if firewall == "refuses":  # as if a firewall let only NNG's port in
+            for listener, kind in list(node.transport._listeners.values()):
+                if kind is tcplink.Inbound:
+                    listener.close()
+        else:  # the port the HELLO names swallows SYNs: the peer's connect times out (2 s)
+            node.transport.addresses["tcplink"] = f"tcp://127.0.0.1:{sink.getsockname()[1]}"
         with peer_of(node, MQ_TEST_PROTOCOL="tcp"):
             assert node.call(1, "echo", "via NNG", timeout=5) == "via NNG"  # the answer found a way
             assert not [link for link in node.transport._inbound.values() if link.link[0] == "tcp"]
             assert isinstance(node.transport._out[1], tcplink.Outbound)  # its port was open
     finally:
         node.stop()
+        filler.close()
+        sink.close()
 
 
 @pytest.mark.parametrize("protocol, options", [
