@@ -227,6 +227,16 @@ def test_a_record_split_across_segments_still_reads_whole(tcp_pair):
     assert [decoded(f) for f in read_all(inbound, 1)] == ["slow"]
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "*", ""])
+def test_a_tcp_link_listens_on_the_nodes_interface_or_every_one(host):
+    listener = tcplink.listen(host)
+    try:
+        out = tcplink.Outbound(f"tcp://127.0.0.1:{listener.getsockname()[1]}", 5.0, lambda: None)
+        out.close()
+    finally:
+        listener.close()
+
+
 # ---------------------------------------------------------------------- in the nng transport
 @contextlib.contextmanager
 def peer_of(node: mq.MQ, **env: str):

@@ -203,10 +203,14 @@ class NngTransport(Transport):
             self.addresses["unix"] = f"mq-{token}-link"
             self._listeners[self._unix_listener.fileno()] = (self._unix_listener, unixlink.Inbound)
         if self.tcp_links:
-            bind_host = tcplink.split_address(self.listen_to)[0]
-            listener = tcplink.listen(bind_host)
-            self.addresses["tcplink"] = self.addresses["tcp"].rpartition(":")[0] + f":{listener.getsockname()[1]}"
-            self._listeners[listener.fileno()] = (listener, tcplink.Inbound)
+            try:
+                listener = tcplink.listen(tcplink.split_address(self.listen_to)[0])
+            except OSError as exc:  # peers then reach us through NNG's tcp, as without links
+                log.warning("node %d: no tcp link listener on %s (%s): NNG's tcp only",
+                            self.node_id, self.listen_to, exc)
+            else:
+                self.addresses["tcplink"] = self.addresses["tcp"].rpartition(":")[0] + f":{listener.getsockname()[1]}"
+                self._listeners[listener.fileno()] = (listener, tcplink.Inbound)
         # Read the fd here: a stop() racing the thread's start must not make it read a closed socket.
         self._recv_fd = sock.recv_fd
         self._reader = threading.Thread(target=self._read_loop, args=(self._recv_fd,), daemon=True,

@@ -50,7 +50,8 @@ def split_address(address: str) -> tuple[str, int]:
 
 def listen(host: str) -> socket.socket:
     """A non-blocking TCP listener on an ephemeral port of ``host`` (the node's interface)."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM,
+    wildcard = host in ("", "*", "0.0.0.0", "::")
+    family, kind, proto, _, addr = socket.getaddrinfo(None if wildcard else host, 0, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
     return listener(family, kind, proto, addr)
 
