@@ -122,8 +122,7 @@ class MQ:
         shm: use the shared-memory data path with same-host peers (route ``shm``).
         shm_pool_bytes: bound of this node's pool (default: a quarter of RAM, at most 4 GiB);
             receivers holding every slot make senders wait (backpressure).
-        shm_inline_max: buffers smaller than this stay inline in the frame (default: the
-            transport's ``shm_inline_max``, 64 KiB for NNG, 4 MiB for torch RPC).
+        shm_inline_max: buffers smaller than this stay inline in the frame (default 64 KiB).
         queue_bytes: bound in bytes of each receive queue (messages of 64 KiB and more count;
             smaller ones are bounded by ``queue_size``); a full queue is backpressure.
         secret: the job secret peers must prove they know (default: ``MQ_SECRET``, else a
@@ -141,7 +140,7 @@ class MQ:
                  allow_pickle: bool = False, handler_threads: int = 4, codec: Codec | None = None,
                  max_frame_bytes: int = 4 << 30, shm: bool = True,
                  shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES,
-                 shm_inline_max: int | None = None, queue_bytes: int = 256 << 20,
+                 shm_inline_max: int = _shm.DEFAULT_INLINE_MAX, queue_bytes: int = 256 << 20,
                  secret: str | bytes | None = None, insecure: bool = False,
                  heartbeat: float = 1.0, peer_timeout: float = 4.0, mq_type: str | None = None,
                  relay_min_bytes: int | None = _fanout.DEFAULT_RELAY_MIN_BYTES, relay_shape: str = "tree"):
@@ -184,8 +183,6 @@ class MQ:
         self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
         self._beat: threading.Thread | None = None
         self._targets: list[Any] = []  # what the transport told us to greet
-        if shm_inline_max is None:  # where descriptors start to pay depends on the transport
-            shm_inline_max = getattr(transport, "shm_inline_max", _shm.DEFAULT_INLINE_MAX)
         self._shm_options = (shm_pool_bytes, shm_inline_max)
         _shm.Pool.check_options(shm_pool_bytes, shm_inline_max)
         self._shm_wanted = bool(shm)

@@ -212,22 +212,6 @@ def test_sender_may_modify_buffers_after_send_returns(options):
     assert res[0] == [(float(i), float(i)) for i in range(5)]
 
 
-def test_shm_descriptors_start_at_the_torchrpc_threshold():
-    """Same host, route shm: a 1.25 MB buffer rides in the RPC (TensorPipe was faster there),
-    an 8 MiB one goes by shm descriptor (TorchRpcTransport.shm_inline_max = 4 MiB); an explicit
-    shm_inline_max still wins."""
-    with Group("shm_threshold", 2) as g:
-        res = g.results()[1]
-        g.join()
-    assert res["route"] == "shm"
-    assert res["placed"] == [0, 1], res
-    assert res["echo"] == [(1_310_720, 1_310_720 % 251, 1_310_720 % 251), (8 << 20, (8 << 20) % 251, (8 << 20) % 251)]
-    with Group("shm_threshold", 2, shm_inline_max=64 << 10) as g:
-        res = g.results()[1]
-        g.join()
-    assert res["placed"] == [1, 1], res
-
-
 @pytest.mark.timeout(120)
 def test_one_rpc_agent_per_process():
     with Group("second_agent", 1, init_method2=tcp()) as g:

@@ -333,26 +333,6 @@ def copy_semantics(node_id: int, world_size: int, init_method: str, **options: A
         return seen
 
 
-def shm_threshold(node_id: int, world_size: int, init_method: str, **options: Any) -> Any:
-    """Node 1 sends a 1.25 MB and an 8 MiB array to node 0 (same host, route shm) and echoes
-    what comes back; reports which went by shm descriptor (the pool's ``placed`` count)."""
-    with _create(node_id, world_size, init_method, **options) as q:
-        q.wait_for_peers(1, timeout=20)
-        placed = []
-        if node_id == 1:
-            for n in (1_310_720, 8 << 20):
-                before = q.stats().shm.get("placed", 0)
-                q.send(0, "x", np.full(n, n % 251, dtype=np.uint8))
-                placed.append(q.stats().shm.get("placed", 0) - before)
-            back = [q.recv(timeout=20).payload for _ in range(2)]
-            return {"route": q.routes()[0].kind, "placed": placed,
-                    "echo": [(len(b), int(b[0]), int(b[-1])) for b in back]}
-        for _ in range(2):
-            m = q.recv(timeout=20)
-            q.send(1, "x", m.payload)
-        return None
-
-
 def second_agent(node_id: int, world_size: int, init_method: str, init_method2: str) -> Any:
     """One RPC agent per process: a second listening queue is a ConfigError; after stop() a
     new one may start."""

@@ -70,11 +70,8 @@ Ordering and backpressure
 TensorPipe runs incoming requests on a thread pool, so frames of one sender can be handled out
 of order. The receiver keeps, per sender, the next expected ``seq`` and the frames that came
 early, and passes frames in send order to one delivery thread (which runs
-:meth:`mq.core.MQ._deliver`, off TensorPipe's threads), or, while a thread waits in ``recv()``
-or ``call()``, to that thread (``read_in_caller``: one thread hop less per message); one thread
-at a time takes and delivers, so the order holds. The op never blocks: it parks the frame
-and returns. Same-host buffers of at least ``shm_inline_max`` (4 MiB) go by shm descriptor;
-smaller ones ride in the RPC (see the class attribute for the measurements). Flow control is by credit: a sender may have at most ``send_window`` frames, and
+:meth:`mq.core.MQ._deliver`, off TensorPipe's threads). The op never blocks: it parks the frame
+and returns. Flow control is by credit: a sender may have at most ``send_window`` frames, and
 ``send_window_bytes`` bytes (one frame always fits), that the receiver has not yet consumed
 (handed to its queue or handler). Credit comes back in every RPC's return value and in every
 frame the other way; a blocked sender sends a -2 frame, and the receiver answers with a -1
@@ -190,27 +187,6 @@ with warnings.catch_warnings():  # torch.jit.script is deprecated in 2.x but sti
     warnings.simplefilter("ignore")
     _deliver_script = torch.jit.script(_deliver_script)  # type: ignore[assignment]
     _request_script = torch.jit.script(_request_script)  # type: ignore[assignment]
-
-
-
-def _script_caller(fn: Any) -> Any:
-    """``rpc_async(to, fn, args, timeout=)`` for one scripted function, without the public
-    wrapper's per-call work (builtin lookup, profiler check, qualified-name lookup: ~15-40 us a
-    message here). It is the same call underneath (``_invoke_rpc_torchscript``: a
-    ``SCRIPT_CALL`` carrying the function's qualified name), so nothing is pickled; falls back
-    to the public ``rpc_async`` if torch moved the private entry point."""
-    from torch.distributed import rpc
-
-    try:
-        from torch._C._distributed_rpc import _invoke_rpc_torchscript
-        name = torch._jit_internal._qualified_name(fn)
-    except (ImportError, AttributeError):  # pragma: no cover (a torch without them)
-        return lambda info, args, timeout: rpc.rpc_async(info, fn, args=args, timeout=timeout)
-    return lambda info, args, timeout: _invoke_rpc_torchscript(info.name, name, args, {}, timeout, False)
-
-
-_call_deliver = _script_caller(_deliver_script)
-_call_request = _script_caller(_request_script)
 
 # The text of the RPC error a server raises for a request it refused (not a broken link).
 _NOT_SERVED = "mq: request not served"
@@ -332,17 +308,6 @@ class TorchRpcTransport(Transport):
 
     name = "torchrpc"
     keeps_tensors = True
-    #: Same-host CPU buffers of at least this many bytes travel by shm descriptor (core's
-    #: default ``shm_inline_max`` for this transport); smaller ones ride in the RPC and
-    #: TensorPipe moves them (its shm transport / CMA channel). NNG's 64 KiB does not fit here:
-    #: over torch RPC every message is an RPC of ~0.3 ms machinery, and a buffer that goes by
-    #: descriptor costs a RELEASE frame (another RPC) per message plus a copy into the pool.
-    #: Measured on the 2-core reference VM (round trip A->B->A, send/recv, p50 over runs of one
-    #: same-host pair): 1.25 MB by descriptor 2.13/2.60/2.56/3.33/2.55/2.85 ms against
-    #: 2.56/1.84/3.21/1.93/1.91/2.51 ms carried by TensorPipe (TensorPipe faster in 5 of 6
-    #: interleaved pairs); 4 MiB a tie (4.84/4.22 against 3.98/4.85 ms); from 10 MB up the pool
-    #: wins by far (README: 10 MB 4.83 ms against raw rpc_sync's 5.07, 40 MB 14.1 against 60.7).
-    shm_inline_max = 4 << 20
 
     def __init__(self, node_id: int, *, device: str = "cpu", world_size: int | None = None,
                  init_method: str | None = None, local_cuda_devices: Iterable[int] | None = None,
@@ -433,13 +398,7 @@ class TorchRpcTransport(Transport):
         self.tp_options: dict[str, Any] = {}
         self._links = {p: _Link(p) for p in peers}
         self._inbound = {p: _Inbound() for p in peers}
-        rx_lock = threading.RLock()
-        self._rx_cond = threading.Condition(rx_lock)
-        # Callers in read_in_caller wait on this one (same lock): a frame wakes them, not the
-        # delivery thread too.
-        self._caller_cond = threading.Condition(rx_lock)
-        self._readers = 0  # threads in read_in_caller
-        self._taking = False  # a thread took a frame from _ready and is delivering it
+        self._rx_cond = threading.Condition()
         # (sender, seq, (header, buffers)) in delivery order
         self._ready: collections.deque[tuple[int, int, Any]] = collections.deque()
         self._rx_stop = False
@@ -615,7 +574,6 @@ class TorchRpcTransport(Transport):
         with self._rx_cond:
             self._rx_stop = True
             self._rx_cond.notify_all()
-            self._caller_cond.notify_all()
         self._rpc_ready.set()
         for link in self._links.values():
             with link.cond:
@@ -746,7 +704,8 @@ class TorchRpcTransport(Transport):
 
         ack = self._inbound[link.peer].report()  # piggybacked credit for the other direction
         try:
-            return _call_deliver(link.info, (self.node_id, seq, ack, text, buffers), self.rpc_timeout)
+            return rpc.rpc_async(link.info, _deliver_script, args=(self.node_id, seq, ack, text, buffers),
+                                 timeout=self.rpc_timeout)
         except Exception as exc:
             if self._closed:
                 raise ClosedError("the queue was stopped") from None
@@ -795,7 +754,8 @@ class TorchRpcTransport(Transport):
             link.requests.add(answered)
         try:
             try:
-                fut = _call_request(link.info, (self.node_id, out.text, buffers), float(timeout))
+                fut = rpc.rpc_async(link.info, _request_script, args=(self.node_id, out.text, buffers),
+                                    timeout=timeout)
             except Exception as exc:
                 if self._closed:
                     raise ClosedError("the queue was stopped") from None
@@ -969,71 +929,27 @@ class TorchRpcTransport(Transport):
                 self._ready.append((sender, inbound.expect, inbound.held.pop(inbound.expect)))
                 inbound.expect += 1
                 inbound.queued += 1
-            if self._readers:
-                self._caller_cond.notify_all()
-            else:
-                self._rx_cond.notify()
+            self._rx_cond.notify_all()
             return inbound.report()
 
     def _delivery_loop(self) -> None:
         self._rpc_ready.wait()  # HELLO from a fast peer waits until our agent can answer
         while True:
             with self._rx_cond:
-                # A thread reading for itself (read_in_caller) takes the frames meanwhile: one
-                # thread hop less per message than handing them over through this thread.
-                while (not self._ready or self._readers or self._taking) and not self._rx_stop:
+                while not self._ready and not self._rx_stop:
                     self._rx_cond.wait(0.2)
                 if self._rx_stop:
                     return
-                item = self._ready.popleft()
-                self._taking = True
-            self._consume(item)
-
-    def read_in_caller(self, timeout: float, ready: Any) -> bool:
-        """Deliver the next frame a TensorPipe thread parked in this (the caller's) thread, not
-        through the delivery thread: a thread hop less on a small message's path. Frames stay
-        in order: one thread at a time takes and delivers (``_taking``)."""
-        if self._closed or not self._rpc_ready.is_set():
-            return False
-        deadline = time.monotonic() + timeout
-        with self._rx_cond:
-            self._readers += 1
-            try:
-                while True:
-                    if self._rx_stop:
-                        raise ClosedError("the queue was stopped during recv()")
-                    if self._ready and not self._taking:
-                        break
-                    if ready():  # delivered meanwhile by the delivery thread
-                        return True
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return True
-                    self._caller_cond.wait(left)
-                item = self._ready.popleft()
-                self._taking = True
-            finally:
-                self._readers -= 1
-                if not self._readers and self._ready and not self._taking:
-                    self._rx_cond.notify()  # what is left goes to the delivery thread
-        self._consume(item)
-        return True
-
-    def _consume(self, item: tuple[int, int, Any]) -> None:
-        """Deliver one in-order frame (taken with ``_taking`` set) and count it consumed."""
-        sender, _seq, (text, buffers) = item
-        assert self._node is not None
-        try:
+                sender, seq, (text, buffers) = self._ready.popleft()
+            assert self._node is not None
             try:
                 head, views = self._frame_parts(text, buffers)
             except ProtocolError as exc:
                 self._node.on_dropped(f"from node {sender}: {exc}")
             else:
                 self._node.on_frame(head, views, ("rank", sender))
-        finally:
             inbound = self._inbound[sender]
             with self._rx_cond:
-                self._taking = False
                 inbound.consumed += 1
                 inbound.queued -= 1
                 inbound.unreported_bytes += len(text) + sum(buffer_nbytes(t) for t in buffers)
@@ -1046,10 +962,6 @@ class TorchRpcTransport(Transport):
                 if credit:
                     inbound.waiting = False
                     inbound.report()
-                if self._readers:  # they look at ready() again, or take the next frame
-                    self._caller_cond.notify_all()
-                elif self._ready:
-                    self._rx_cond.notify()
             if credit:
                 self._control(self._links[sender], _CREDIT)
 
@@ -1071,8 +983,7 @@ class TorchRpcTransport(Transport):
             return split(data)
         if len(data) < 4 or _U32.unpack_from(data)[0] != len(data) - 4:
             raise ProtocolError(f"frame header of {len(data)} bytes does not match its length prefix")
-        # memoryviews: the codec decodes a payload tree it has seen before straight from them.
-        views = [memoryview(t.numpy()) if t.dtype is torch.uint8 and t.dim() == 1 and t.is_cpu else t
+        views = [t.numpy() if t.device.type == "cpu" and t.dtype == torch.uint8 and t.dim() == 1 else t
                  for t in buffers]
         return memoryview(data)[4:], views
 
