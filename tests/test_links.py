@@ -334,3 +334,18 @@ def test_links_off_or_batching_use_nng_sockets(protocol, options):
         assert ("unix" in node.addresses) == options.get("unix_links", True)
         assert ("tcplink" in node.addresses) == options.get("tcp_links", True)
         assert node.call(1, "echo", 7, timeout=5) == 7
+
+
+@pytest.mark.parametrize("bad", [5, "udp://1.2.3.4:5", "tcp://host:port", "tcp://host"])
+def test_a_malformed_tcp_link_address_from_a_peer_is_a_protocol_error(bad):
+    # What a peer advertises is the peer's fault: refused like a malformed frame, not our ConfigError.
+    from mq.routing import Route
+
+    node = mq.create("nng", 0, protocol="tcp", timeout=5).listen()
+    try:
+        info = {"addresses": {"tcp": "tcp://127.0.0.1:9", "tcplink": bad}, "incarnation": "x"}
+        with pytest.raises(ProtocolError, match="malformed tcp link address"):
+            node.transport.connect(7, info, Route(kind="tcp", gpu="tcp", reason="test", peer=7))
+        assert 7 not in node.transport._out  # nothing half-made
+    finally:
+        node.stop()

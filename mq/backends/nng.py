@@ -244,7 +244,7 @@ class NngTransport(Transport):
             if not self._tls:
                 raise ConfigError(f"{address} wants TLS: give this node tls={{'cert':..., 'key':..., "
                                   "'ca':...}} like its peers")
-            host = address.partition("://")[2].rpartition(":")[0].strip("[]")
+            host = tcplink.split_address(address)[0]
             options["tls_config"] = self._tls_config(pynng.TLSConfig.MODE_CLIENT, host)
         return pynng.Push0(**options)
 
@@ -308,8 +308,9 @@ class NngTransport(Transport):
                                      and "\0" not in unix):
             raise ProtocolError(f"node {peer} advertised a malformed unix link name {unix!r}")
         own_tcp = addresses.get("tcplink") if kind == "tcp" and self.tcp_links and not self.batch_window else None
-        if own_tcp is not None:
-            own_tcp = check_address(own_tcp, f"node {peer}'s tcp link address")
+        if own_tcp is not None and not (isinstance(own_tcp, str) and own_tcp.startswith("tcp://")
+                                        and own_tcp.rpartition(":")[2].isdigit()):
+            raise ProtocolError(f"node {peer} advertised a malformed tcp link address {own_tcp!r}")
         link: unixlink.Sender | None = None
         if (unix or own_tcp) and not self._is_current(peer, info):
             try:  # outside the lock: a peer slow to accept must not hold up every other link
