@@ -274,3 +274,25 @@ def test_the_gathered_parts_are_the_contiguous_layout(payload):
     # The tcp link sends large frames as these views (sendmsg), the same bytes as to_bytes().
     frame = Codec().encode(MSG, "t", 1, 0, 0, payload)
     assert b"".join(frame.parts()) == frame.to_bytes()
+
+
+def test_a_large_receive_buffer_is_not_written_before_the_frame_lands():
+    """bytearray(n) zeroes every page (for 100 MB ~60 ms here, more than receiving it): a
+    large buffer for a frame to be received into must map its pages only as bytes land."""
+    import resource
+
+    from mq.codec import empty_buffer
+
+    size = 64 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buf = empty_buffer(size)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert len(buf) == memoryview(buf).nbytes == size and not memoryview(buf).readonly
+    assert faults < 64, f"{faults} page faults making an empty {size}-byte buffer"
+    memoryview(buf)[size - 3:] = b"end"  # writable to the last byte, a frame fits
+    assert bytes(memoryview(buf)[-3:]) == b"end"
+    small = empty_buffer(100)
+    assert isinstance(small, bytearray) and len(small) == 100
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    zeroed = bytearray(size)  # what the links used before: this check tells the two apart
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before >= 64 and len(zeroed) == size

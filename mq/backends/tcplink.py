@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable
 
 from mq.backends.unixlink import Receiver, Sender, listener
-from mq.codec import Frame
+from mq.codec import Frame, empty_buffer
 from mq.errors import ProtocolError, Timeout
 
 PIECE = 256 << 10  # at most this much of a frame per record: what a timed-out send may still owe
@@ -65,11 +65,11 @@ class Inbound(Receiver):
         super().__init__(sock, max_frame, "tcp", next(_serial))
         self._head = bytearray(_HEAD.size)
         self._head_got = 0
-        self._buf: bytearray | None = None  # the frame being filled, how much of it came, and
+        self._buf: Any = None  # the frame being filled, how much of it came, and
         self._filled = 0                    # where the current piece ends
         self._piece_end = 0
 
-    def read(self) -> bytearray | None:
+    def read(self) -> Any:
         """The next whole frame, or None when none is complete yet (nothing blocks, and nothing
         is kept back: what the socket holds past one frame stays in the socket, so a level-
         triggered poll() still sees it).
@@ -108,7 +108,7 @@ class Inbound(Receiver):
             if not 0 < length <= min(size, PIECE):
                 raise ProtocolError(f"frame of {size} bytes begins with a {length}-byte piece")
             try:
-                self._buf = bytearray(size)  # zero pages until written
+                self._buf = empty_buffer(size)  # not zeroed: the frame fills it
             except MemoryError:  # e.g. many links each claiming a huge frame
                 raise ProtocolError(f"no memory for a frame of {size} bytes") from None
             self._filled, self._piece_end = 0, length

@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from mq.codec import Frame
+from mq.codec import Frame, empty_buffer
 from mq.errors import ClosedError, ProtocolError, Timeout
 
 DATAGRAM = 64 << 10  # one datagram; the kernel's default socket buffer holds three
@@ -69,7 +69,7 @@ class Receiver:
         self.link = (family, serial)  # what core binds to a peer at its handshake
         self.max_frame = max_frame
 
-    def read(self) -> bytearray | None:
+    def read(self) -> Any:
         raise NotImplementedError
 
     def _recv(self, buffers: list[Any], flags: int = 0) -> int | None:
@@ -101,10 +101,10 @@ class Inbound(Receiver):
         super().__init__(sock, max_frame, "unix", next(_serial))
         self._scratch = bytearray(DATAGRAM)
         self._tag = bytearray(1)
-        self._buf: bytearray | None = None  # a frame in pieces, and how much of it came
+        self._buf: Any = None  # a frame in pieces, and how much of it came
         self._filled = 0
 
-    def read(self) -> bytearray | None:
+    def read(self) -> Any:
         """The next whole frame, or None when none is complete yet (nothing blocks).
 
         Raises:
@@ -128,7 +128,7 @@ class Inbound(Receiver):
                 if first == size:
                     return self._scratch[_PREFIX.size:n]  # a copy the frame's views own
                 try:
-                    self._buf = buf = bytearray(size)  # zero pages until written
+                    self._buf = buf = empty_buffer(size)  # not zeroed: the frame fills it
                 except MemoryError:  # e.g. many links each claiming a huge frame
                     raise ProtocolError(f"no memory for a frame of {size} bytes") from None
                 buf[:first] = memoryview(self._scratch)[_PREFIX.size:n]
