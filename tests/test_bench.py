@@ -423,3 +423,26 @@ def test_two_hosts_without_namespaces_is_a_clear_error(monkeypatch):
     result = _invoke(["--two-hosts", "--sizes", "1.25KB"])
     assert result.exit_code != 0
     assert "--two-hosts: network namespaces need root (test)" in result.output
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+@needs_netns
+def test_fanout_over_namespace_hosts_reports_mq_and_raw_tcp_rows():
+    """`--hosts`: every row has samples, and the raw tcp rows (the machine's bound for one
+    copy per host) are measured in the same run, each host's receiver getting every byte."""
+    from mq.tools import bench_fanout
+
+    rows, info = bench_fanout.run(2 << 20, [2], subscribers=2, samples=2, rounds=1,
+                                  shapes=("tree",))
+    by_name = {r.name: r for r in rows}
+    assert set(by_name) == {"1 subscriber, other host", "2 subscribers on 2 hosts, relay tree",
+                            "raw tcp, 1 other host", "raw tcp, 2 hosts at once (bound)",
+                            "1 subscriber, same host", "2 subscribers, same host"}
+    for r in rows:
+        assert r.error is None and len(r.samples_ms) == 2, (r.name, r.error)
+    assert by_name["raw tcp, 2 hosts at once (bound)"].raw and by_name["raw tcp, 2 hosts at once (bound)"].hosts == 2
+    assert info["relay_stats"]["h2"]["relayed"] >= 3  # warm-up + samples went by relay
+    text = bench_fanout.table(rows, info)
+    assert "raw tcp, 2 hosts at once (bound)" in text and "raw rows: raw tcp to 1 host" in text
+    assert not [n for n in netns.list_namespaces() if n.startswith(f"{netns.NS_PREFIX}{os.getpid()}-")]

@@ -7,7 +7,11 @@ One run measures, interleaved batch by batch so machine noise hits every row ali
   namespace hosts (:class:`mq.tools.netns.Hosts`: own network, PID and IPC namespaces per host,
   one bridge), with relaying as configured (``relay tree``), the star shape (``relay star``)
   and without relaying (``direct``: one transfer per subscriber, what publish did before);
-- ``same host 1`` and ``same host N``: subscribers on the publisher's host (shm, one copy).
+- ``same host 1`` and ``same host N``: subscribers on the publisher's host (shm, one copy);
+- ``raw tcp``: the same bytes over plain TCP sockets from this process to one receiver process
+  on 1 host, and to one on each of K hosts at once (a thread per socket, every receiver reading
+  into one warm buffer): what this machine's kernel and cores allow for one copy per host, the
+  physical reference of the remote rows (on a 2-core VM every "host" shares the same cores).
 
 The publisher is this process, on this host (a veth joins it to the bridge); every subscriber
 is its own process, connected to the publisher and to every other subscriber (relays forward
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import threading
 import statistics
 import subprocess
 import sys
@@ -41,6 +47,7 @@ class FanoutRow:
     hosts: int  # 0: the publisher's host
     subscribers: int
     shape: str | None  # tree / star / None (relaying off)
+    raw: bool = False  # plain TCP sockets, not mq
     samples_ms: list[float] = field(default_factory=list)
     error: str | None = None
 
@@ -97,10 +104,64 @@ class _Group:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.q.stop(timeout=2)
-        for p in self.procs:
-            with contextlib.suppress(Exception):
-                p.kill()
-                p.wait(5)
+        _kill(self.procs)
+
+
+class _RawGroup:
+    """Plain TCP: one receiver process on each of hosts 0..k-1, sent to at once (the bound)."""
+
+    def __init__(self, hosts: Any, k: int, size: int, port: int):
+        self.procs: list[subprocess.Popen] = []
+        self.socks: list[socket.socket] = []
+        try:
+            for h in range(k):
+                argv = _WORKER + ["raw", hosts.addrs[h], str(port), str(size)]
+                self.procs.append(subprocess.Popen(hosts.command(h, argv), stdout=subprocess.PIPE, text=True,
+                                                   stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))
+            for h, p in enumerate(self.procs):
+                line = p.stdout.readline().strip() if p.stdout else ""
+                if line != "ready":
+                    raise RuntimeError(f"raw receiver on host {h} did not start ({line!r})")
+                sock = socket.create_connection((hosts.addrs[h], port), timeout=60)
+                self.socks.append(sock)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle wait on the tail
+        except BaseException:
+            self.close()
+            raise
+
+    def sample(self, x: np.ndarray, shape: str | None, timeout: float = 120.0) -> float:
+        del shape
+        errors: list[BaseException] = []
+
+        def send(sock: socket.socket) -> None:
+            try:
+                sock.sendall(memoryview(x).cast("B"))
+                if sock.recv(1) != b"k":
+                    raise RuntimeError("raw receiver closed")
+            except BaseException as exc:  # reported below, in the caller's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=send, args=(s,)) for s in self.socks]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        if errors:
+            raise errors[0]
+        return (time.perf_counter() - t0) * 1e3
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+        _kill(self.procs)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.kill()
+            p.wait(5)
 
 
 def run(size: int, host_counts: list[int], subscribers: int = 8, samples: int = 5, rounds: int = 2,
@@ -120,6 +181,9 @@ def run(size: int, host_counts: list[int], subscribers: int = 8, samples: int = 
             label = f"relay {shape}" if shape else "direct (no relay)"
             rows.append((FanoutRow(f"{subscribers} subscribers on {k} hosts, {label}", k, subscribers, shape),
                          f"h{k}"))
+    plan["raw1"], plan[f"raw{kmax}"] = (1, 1), (kmax, kmax)
+    rows.append((FanoutRow("raw tcp, 1 other host", 1, 1, None, raw=True), "raw1"))
+    rows.append((FanoutRow(f"raw tcp, {kmax} hosts at once (bound)", kmax, kmax, None, raw=True), f"raw{kmax}"))
     if same_host:
         plan["same1"], plan["same"] = (0, 1), (0, subscribers)
         rows.append((FanoutRow("1 subscriber, same host", 0, 1, None), "same1"))
@@ -130,7 +194,8 @@ def run(size: int, host_counts: list[int], subscribers: int = 8, samples: int = 
         try:
             for n, (key, (k, subs)) in enumerate(plan.items()):
                 progress(f"starting {key}: {subs} subscriber(s) on {k or 'the same'} host(s)")
-                groups[key] = _Group(hosts, k, subs, 47000 + 20 * n)
+                port = 47000 + 20 * n
+                groups[key] = _RawGroup(hosts, k, size, port) if key.startswith("raw") else _Group(hosts, k, subs, port)
             for row, key in rows:  # warm-up: pools and sockets see the size once
                 with contextlib.suppress(Exception):
                     groups[key].sample(x, row.shape)
@@ -146,7 +211,8 @@ def run(size: int, host_counts: list[int], subscribers: int = 8, samples: int = 
                             row.error = f"{type(exc).__name__}: {exc}"
                             break
                     progress(f"round {r + 1}: {row.name}: p50 {row.p50_ms}")
-            info["relay_stats"] = {key: dict(g.q._fanout.stats) for key, g in groups.items()}
+            info["relay_stats"] = {key: dict(g.q._fanout.stats) for key, g in groups.items()
+                                   if isinstance(g, _Group)}
         finally:
             for g in groups.values():
                 g.close()
@@ -154,19 +220,40 @@ def run(size: int, host_counts: list[int], subscribers: int = 8, samples: int = 
 
 
 def table(rows: list[FanoutRow], info: dict[str, Any]) -> str:
-    base = {r.hosts > 0: r.p50_ms for r in rows if r.subscribers == 1}
+    base = {(r.hosts > 0, r.raw): r.p50_ms for r in rows if r.subscribers == 1}
     lines = [f"fan-out of {info['size'] / 1e6:g} MB ({info['cpus']} CPUs, load {' '.join(info['loadavg'])}); "
-             "ratio: p50 / p50 of the same size to one subscriber (remote rows: on another host)",
+             "ratio: p50 / p50 of the same size to one subscriber (remote rows: on another host; "
+             "raw rows: raw tcp to 1 host)",
              f"{'row':58} {'n':>3} {'min ms':>9} {'p50 ms':>9} {'max ms':>9} {'ratio':>6}"]
     for r in rows:
         if not r.samples_ms:
             lines.append(f"{r.name:58} {'':>3} {'':>9} {'':>9} {'':>9} {'':>6}  {r.error or 'no samples'}")
             continue
-        b = base.get(r.hosts > 0)
+        b = base.get((r.hosts > 0, r.raw))
         ratio = f"{r.p50_ms / b:.2f}" if b else "-"
         lines.append(f"{r.name:58} {len(r.samples_ms):>3} {min(r.samples_ms):>9.1f} {r.p50_ms:>9.1f} "
                      f"{max(r.samples_ms):>9.1f} {ratio:>6}" + (f"  ({r.error})" if r.error else ""))
     return "\n".join(lines)
+
+
+def _raw_receiver() -> None:
+    """``python -m mq.tools.bench_fanout raw HOST PORT SIZE``: read SIZE bytes per message into
+    one warm buffer, answer each with one byte."""
+    _die_with_parent()
+    host, port, size = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    srv = socket.create_server((host, port))
+    print("ready", flush=True)
+    conn, _ = srv.accept()
+    buf = np.ones(size, np.uint8)  # warm: the bound pays no page faults
+    view = memoryview(buf)
+    while True:
+        got = 0
+        while got < size:
+            n = conn.recv_into(view[got:], size - got)
+            if not n:
+                return
+            got += n
+        conn.sendall(b"k")
 
 
 def _subscriber() -> None:
@@ -191,4 +278,4 @@ def _subscriber() -> None:
 
 
 if __name__ == "__main__":
-    _subscriber()
+    _raw_receiver() if sys.argv[1:2] == ["raw"] else _subscriber()
