@@ -179,6 +179,13 @@ def test_oneway_rows_and_the_by_handle_row():
             assert handle["reason"] == "mq has no shared-memory pool API", handle
         else:
             assert handle["samples"] >= 1 and handle["baseline"] == "raw:pynng/ipc"
+    # One way proper (B's arrival - A's send start, one clock): after the send began, and
+    # before the ack came back, on every oneway row, raw ones included.
+    measured = [r for r in rows if r["mode"] == "oneway" and r["samples"]]
+    assert {(r["mq_type"], r["route"]) for r in measured} >= {("nng", "ipc"), ("raw:pynng", "ipc")}
+    for r in measured:
+        assert 0 < r["arrival_p50_ms"] <= r["p50_ms"], r
+    assert by[("nng", "ipc", 1280)]["arrival_ratio"] > 0
 
 
 @pytest.mark.timeout(240)

@@ -6,7 +6,9 @@ What is measured (``modes``; A and B are processes started with the ``spawn`` me
 :mod:`mq.tools.netns`). A times each sample with ``perf_counter_ns``:
 
 - ``roundtrip`` (default): A sends a tensor of ``size`` bytes, B echoes it (``recv`` then ``send``).
-- ``oneway``: A sends it, B drops it and answers a tiny ack.
+- ``oneway``: A sends it, B drops it and answers a tiny ack carrying its arrival time: a sample
+  is send -> ack, and the row also reports one way proper, arrival - send start (both read
+  ``CLOCK_MONOTONIC``, one clock for every process of a kernel, namespace hosts included).
 - ``fanout``: A ``publish``-es it to ``subscribers`` B processes and waits for every ack; the same
   run measures the fan-out to one subscriber, the baseline of the N row.
 - ``stream``: A sends ``messages`` small messages (``{"i": counter, "x": size bytes}``) as fast as
@@ -288,6 +290,7 @@ _RAW_KINDS = {"raw:pynng": "pynng", "raw:pyzmq": "zmq", "raw:rpc": "rpc"}
 class _SizeResult:
     samples_ns: list[int] = field(default_factory=list)
     warm_ns: list[int] = field(default_factory=list)
+    arrival_ns: list[int] = field(default_factory=list)  # one way proper (oneway rows)
     used_s: float = 0.0
     rt_s: float = 0.0
     target: int = 0
@@ -675,6 +678,7 @@ class _Runner:
         res.used_s += out["elapsed_s"]
         res.samples_ns += out["samples_ns"]
         res.warm_ns += out["warm_ns"]
+        res.arrival_ns += out.get("arrival_ns", [])
         # One round trip's estimate: the median of what this size has done so far (warm-ups
         # only until there are samples: the first round trips of a size are the slow ones).
         w = sorted(res.samples_ns or res.warm_ns[len(res.warm_ns) // 2:])
@@ -790,7 +794,7 @@ def _row(c: _Case, size: int, bound: _Case, messages: int) -> dict[str, Any]:
         "subscribers": c.subscribers if c.mode == "fanout" else None,
         "messages": messages if c.mode == "stream" else None, "payloads": moved, "bound_copies": memcpys,
         "bound_ms": None, "ratio_bound": None, "msgs_per_s": None, "mb_per_s": None,
-        "lossless": None,
+        "lossless": None, "arrival_p50_ms": None, "arrival_ratio": None,
     }
     if c.mode == "stream" and (res.samples_ns or "lost or reordered" in (res.skipped or "")):
         row["lossless"] = "lost or reordered" not in (res.skipped or "")  # B checks every counter
@@ -807,6 +811,11 @@ def _row(c: _Case, size: int, bound: _Case, messages: int) -> dict[str, Any]:
     if base_p50:
         row["baseline_p50_ms"] = _ms(base_p50)
         row["ratio"] = round(st["p50_ms"] / base_p50, 4)
+    if res.arrival_ns:
+        row["arrival_p50_ms"] = _ms(_stats(res.arrival_ns)["p50_ms"])
+        base = c.baseline.results.get(size) if c.baseline is not None else None
+        if base is not None and base.arrival_ns:
+            row["arrival_ratio"] = round(row["arrival_p50_ms"] / _stats(base.arrival_ns)["p50_ms"], 4)
     bound_p50 = _p50(bound.results.get(size))
     if bound_p50:
         row["bound_ms"] = _ms(memcpys * bound_p50)

@@ -53,7 +53,9 @@ def _hard_timeout(size: int) -> float:
 
 # What A times for one sample, per mode (B's side in brackets):
 #   roundtrip  send the payload, receive it back            [echo]
-#   oneway     send the payload, receive a tiny ack         [drop it, ack]
+#   oneway     send the payload, receive a tiny ack         [drop it, ack with its arrival time]
+#              also: arrival = B's clock when its recv returned - A's send start (one way
+#              proper: perf_counter is CLOCK_MONOTONIC, one clock for every process of a kernel)
 #   fanout     publish to every subscriber, receive N acks  [drop it, ack] (mq only)
 #   stream     send `messages` small messages, receive one ack for the burst
 #                                                           [check counters in order, ack]
@@ -68,8 +70,9 @@ def _echo(t: Any) -> Any:
 
 
 def _ack(t: Any) -> int:
-    """The raw RPC one-way remote function: a tiny answer instead of the payload."""
-    return 0
+    """The raw RPC one-way remote function: a tiny answer instead of the payload (its arrival
+    time, as every one-way ack)."""
+    return time.perf_counter_ns()
 
 
 class _Closed(Exception):
@@ -122,6 +125,7 @@ class _Endpoint:
         self._payload: Any = None
         self._payload_size = -1
         self._sent = 0  # stream counter, continued across bursts
+        self._arrival_ns: int | None = None  # the last one-way sample's arrival - send start
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # B collects after a big message (GC_EACH_BYTES): not when what arrives is a view of the
@@ -153,6 +157,7 @@ class _Endpoint:
                 m = self._b_recv(0.5)
                 if m is None:
                     continue
+                arrived = time.perf_counter_ns()
                 big = self._collect_big and _nbytes(m) >= GC_EACH_BYTES
                 if self.mode in ("roundtrip", "call"):
                     self._b_echo(m)
@@ -162,7 +167,7 @@ class _Endpoint:
                         self._b_ack(ack)
                 else:
                     del m  # drop the view first: a pooled slot can go back before the ack
-                    self._b_ack(0)
+                    self._b_ack(arrived)
                 m = None
                 if big:
                     gc.collect()  # after the reply left: A is receiving it meanwhile
@@ -201,10 +206,16 @@ class _Endpoint:
         else:
             out = None
             for _ in range(self.acks):
-                self._recv_ack()
+                ack = self._recv_ack()
         t1 = time.perf_counter_ns()
+        if self.mode == "oneway":
+            self._arrival_ns = self._arrival(ack) - t0
         self._settle(t, timeout)
         return t1 - t0, out
+
+    def _arrival(self, ack: Any) -> int:
+        """B's arrival time from a one-way ack."""
+        return int(ack)
 
     def _call(self, t: Any) -> Any:
         """One request/reply with the payload; returns the answer (the echo)."""
@@ -247,6 +258,7 @@ class _Endpoint:
         t = self.payload(size)
         warm: list[int] = []
         samples: list[int] = []
+        arrivals: list[int] = []
         stopped = None
         start = time.monotonic()
         for i in range(warmup):
@@ -267,13 +279,17 @@ class _Endpoint:
             ns, out = self.exchange(t, timeout_s)
             del out
             samples.append(ns)
+            if self._arrival_ns is not None:
+                arrivals.append(self._arrival_ns)
+                self._arrival_ns = None
             last = ns / 1e9
             if size >= GC_EACH_BYTES:
                 gc.collect()  # not timed; see GC_EACH_BYTES
         elapsed = time.monotonic() - start
         if size >= 256 * MB:  # don't sit on GBs while other rows of the group run
             self.free()
-        return {"samples_ns": samples, "warm_ns": warm, "elapsed_s": elapsed, "stopped": stopped}
+        return {"samples_ns": samples, "warm_ns": warm, "arrival_ns": arrivals, "elapsed_s": elapsed,
+                "stopped": stopped}
 
 
 def _check_echo(t: Any, out: Any) -> None:
@@ -577,7 +593,10 @@ class _PynngEndpoint(_SocketEndpoint):
         return struct.unpack_from("<Q", m)[0]
 
     def _b_ack(self, value: Any) -> None:
-        self.tx.send(struct.pack("<QQ", *value) if isinstance(value, tuple) else b"k")
+        self.tx.send(struct.pack("<QQ", *value) if isinstance(value, tuple) else struct.pack("<q", value))
+
+    def _arrival(self, ack: Any) -> int:
+        return struct.unpack("<q", ack)[0]
 
     def close(self) -> None:
         self._stop.set()
@@ -655,7 +674,10 @@ class _ZmqEndpoint(_SocketEndpoint):
         self.sock.send(m, copy=False)
 
     def _b_ack(self, value: Any) -> None:
-        self.sock.send(b"k")
+        self.sock.send(struct.pack("<q", value))
+
+    def _arrival(self, ack: Any) -> int:
+        return struct.unpack("<q", ack.bytes)[0]
 
     def close(self) -> None:
         super().close()
@@ -700,6 +722,8 @@ class _RpcEndpoint(_Endpoint):
         if stage and echo:
             out = out.to(t.device)
         t1 = time.perf_counter_ns()
+        if self.mode == "oneway":
+            self._arrival_ns = int(out) - t0
         return t1 - t0, out if echo else None
 
 
