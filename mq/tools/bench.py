@@ -10,7 +10,9 @@ What is measured (``modes``; A and B are processes started with the ``spawn`` me
   is send -> ack, and the row also reports one way proper, arrival - send start (both read
   ``CLOCK_MONOTONIC``, one clock for every process of a kernel, namespace hosts included).
 - ``fanout``: A ``publish``-es it to ``subscribers`` B processes and waits for every ack; the same
-  run measures the fan-out to one subscriber, the baseline of the N row.
+  run measures the fan-out to one subscriber, the baseline of the N row, and raw pynng's fan-out
+  (``Pub0`` to N ``Sub0`` processes, acks over ``Push0``/``Pull0``) to N and to one: what N
+  processes cost this machine, whatever the library.
 - ``stream``: A sends ``messages`` small messages (``{"i": counter, "x": size bytes}``) as fast as
   backpressure lets it, B checks the counters arrive in order without gaps and acks each burst.
 - ``call``: A calls ``q.call(1, "echo", tensor)``, B serves it with ``q.on("echo", lambda x: x)``;
@@ -568,19 +570,26 @@ class _Runner:
     def _raw_cases(self, hosts: str, name: str, mq_cases: list[_Case], reason: str | None = None) -> list[_Case]:
         if not self.cfg.baselines:
             return []
-        raws: dict[tuple[str, str], _Case] = {}  # (mq type, route) -> its one case
+        raws: dict[tuple[str, str, int], _Case] = {}  # (mq type, route, subscribers) -> its one case
 
-        def raw(mq_type: str, route: str, device: str, mode: str) -> _Case:
-            if (mq_type, route) not in raws:
-                r = raws[mq_type, route] = _Case("raw", mq_type, route, device, hosts, mode)
+        def raw(mq_type: str, route: str, device: str, mode: str, subscribers: int = 1) -> _Case:
+            if (mq_type, route, subscribers) not in raws:
+                r = raws[mq_type, route, subscribers] = _Case("raw", mq_type, route, device, hosts, mode,
+                                                              subscribers=subscribers)
                 if mq_type.startswith("raw:rpc"):
                     r.unavailable = _rpc_unavailable(cuda=mq_type == "raw:rpc-cuda")
                 r.unavailable = reason or r.unavailable
-            return raws[mq_type, route]
+            return raws[mq_type, route, subscribers]
 
         for c in mq_cases:
             if c.mode == "fanout":
-                continue  # its baseline is the same fan-out to one subscriber
+                # Its baseline is the same fan-out to one subscriber; raw pynng's fan-out (and to
+                # one, its baseline) is a row of its own: what N processes cost on this machine.
+                if name == "pynng" and c.subscribers > 1:
+                    fam = _family(c, hosts)
+                    r = raw("raw:pynng", fam, c.device, c.mode, c.subscribers)
+                    r.baseline = raw("raw:pynng", fam, c.device, c.mode)
+                continue
             if name == "pynng":
                 fam = _family(c, hosts)
                 c.baseline = raw("raw:pynng", fam, c.device, c.mode)

@@ -246,7 +246,7 @@ def to_markdown(report: Report) -> str:
             "oneway: B answers a tiny ack instead, times send -> ack; its note also gives one way "
             "proper, \"one way (arrival)\": B's clock when its recv returned minus A's send start "
             "(one kernel's monotonic clock, shared by every process and namespace host). fanout xN: A publishes to N subscribers and waits "
-            "for all N acks. stream: one sample is a burst of small messages, ordered and checked, "
+            "for all N acks (raw:pynng: Pub0 to N Sub0 processes, acks over Push0/Pull0). stream: one sample is a burst of small messages, ordered and checked, "
             "acked once. Ratio = mq p50 / raw p50 of its baseline, measured interleaved in the same "
             "run (fan-out N: / the same fan-out to 1). x bound = p50 / the physical bound, one "
             "memcpy into warm memory measured in the same run, times the memcpys the note says. "

@@ -508,8 +508,9 @@ class _SocketEndpoint(_Endpoint):
 
 class _PynngEndpoint(_SocketEndpoint):
     """Raw pynng, what a pynng user writes (bytes in, bytes out): ``Pair0`` for round trips and
-    one-way, ``Push0``/``Pull0`` for streams (a second pair carries B's acks back), ``Req0``
-    (A) / ``Rep0`` (B) for calls. The baseline of nng rows."""
+    one-way, ``Push0``/``Pull0`` for streams (a second pair carries B's acks back), ``Pub0``
+    (A) / ``Sub0`` (each B) for fan-outs, acked over ``Push0``/``Pull0``, ``Req0`` (A) /
+    ``Rep0`` (B) for calls. The baseline of nng rows (fan-out: a row of its own)."""
 
     def __init__(self, role: str, spec: dict[str, Any]):
         super().__init__(role, spec)
@@ -525,10 +526,17 @@ class _PynngEndpoint(_SocketEndpoint):
             kind = pynng.Req0 if self.role == "A" else pynng.Rep0
             self.tx = self.rx = kind(recv_max_size=0, **opts)
             return [self.tx]
-        if self.mode != "stream":
+        if self.mode not in ("stream", "fanout"):
             self.tx = self.rx = pynng.Pair0(recv_max_size=0, **opts)
             return [self.tx]
-        self.tx, self.rx = pynng.Push0(**opts), pynng.Pull0(recv_max_size=0, **opts)
+        if self.mode == "fanout":  # NNG's pub shares one message with every pipe (no copy each)
+            if self.role == "A":
+                self.tx, self.rx = pynng.Pub0(**opts), pynng.Pull0(recv_max_size=0, **opts)
+            else:
+                self.rx, self.tx = pynng.Sub0(recv_max_size=0, **opts), pynng.Push0(**opts)
+                self.rx.subscribe(b"")
+        else:
+            self.tx, self.rx = pynng.Push0(**opts), pynng.Pull0(recv_max_size=0, **opts)
         return [self.tx, self.rx] if self.role == "A" else [self.rx, self.tx]
 
     def prepare(self) -> dict[str, Any]:
@@ -554,7 +562,8 @@ class _PynngEndpoint(_SocketEndpoint):
     def _greeting(self) -> bytes:
         if self.mode == "call":
             self.tx.send(b"hello")  # B's serve loop echoes it
-        return self.rx.recv()
+        greetings = {self.rx.recv() for _ in range(self.acks)}  # fan-out: one per subscriber
+        return greetings.pop() if len(greetings) == 1 else b"?"
 
     # -- A
     def _set_timeout(self, timeout: float) -> None:
