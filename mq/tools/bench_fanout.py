@@ -149,6 +149,8 @@ class _RawGroup:
             t.join(timeout)
         if errors:
             raise errors[0]
+        if any(t.is_alive() for t in threads):
+            raise RuntimeError(f"a raw receiver did not answer within {timeout:g}s")
         return (time.perf_counter() - t0) * 1e3
 
     def close(self) -> None:
