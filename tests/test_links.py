@@ -182,6 +182,20 @@ def test_malformed_datagrams_and_records_are_protocol_errors(kind, data, why):
         assert wait_until(lambda: _raises(inbound, why), 5)
 
 
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+def test_a_frame_no_memory_can_hold_is_a_protocol_error_not_a_crash(kind):
+    """A peer allowed huge frames (max_frame_bytes) claims one far past RAM: the receive
+    buffer (numpy.empty for large frames) cannot be made, and that is the peer's fault."""
+    huge = 1 << 61
+    with joined(kind) as (out, inbound, _):
+        inbound.max_frame = 1 << 62
+        if kind == "unix":
+            out.sock.send(struct.pack("<Q", huge) + b"x" * (unixlink.DATAGRAM - 8))
+        else:
+            out.sock.send(HEAD.pack(tcplink.BEGIN, 8, huge) + b"x" * 8)
+        assert wait_until(lambda: _raises(inbound, "no memory for a frame"), 5)
+
+
 def test_a_continuation_with_a_wrong_tag_is_a_protocol_error(unix_pair):
     out, inbound, _ = unix_pair
     out.sock.send(struct.pack("<Q", 100_000) + b"x" * (unixlink.DATAGRAM - 8))
