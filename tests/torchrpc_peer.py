@@ -166,6 +166,14 @@ def calls(node_id: int, world_size: int, init_method: str) -> Any:
             q.on("echo", lambda x: x)
             q.on("fail", lambda x: {}["missing"])
             q.on("thread", lambda x: threading.current_thread().name)
+            state = threading.local()  # per Python thread state: new if torch made a new one
+
+            def thread_state(x: Any) -> tuple[int, bool]:
+                fresh = not getattr(state, "seen", False)
+                state.seen = True
+                return threading.get_ident(), fresh
+
+            q.on("thread_state", thread_state)
             q.send(1, "served", None)
             assert q.recv(timeout=30).topic == "done"
             return {"rejected": dict(q.stats().rejected)}
@@ -191,6 +199,7 @@ def calls(node_id: int, world_size: int, init_method: str) -> Any:
         res["big"] = bool(torch.equal(q.call(0, "echo", big, timeout=10), big))
         res["payload_ok"] = _same(payload(), q.call(0, "echo", payload(), timeout=10))
         res["thread"] = q.call(0, "thread", None, timeout=10)
+        res["thread_states"] = [q.call(0, "thread_state", None, timeout=10) for _ in range(40)]
         for topic in ("fail", "nohandler"):
             try:
                 q.call(0, topic, 1, timeout=10)
