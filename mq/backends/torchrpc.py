@@ -11,7 +11,7 @@ A frame is one RPC to the TorchScript function :func:`_deliver_script`, which ca
 ``mq::deliver(int sender, int seq, int ack, str frame, Tensor[] buffers) -> int``:
 
 * ``frame``: bytes as latin-1 text (one character per byte). A small frame (buffers of at most
-  ``_INLINE_MAX`` = 2 KiB, all in host memory) travels whole in it, in the codec's contiguous
+  ``_INLINE_MAX`` = 8 KiB, all in host memory) travels whole in it, in the codec's contiguous
   layout (:mod:`mq.codec`, the one NNG sends), and ``buffers`` is empty: no RPC tensor, each
   of which costs TensorPipe a channel transfer (~0.1 ms here). Otherwise it holds the u32
   length prefix and the codec's frame header (the same envelope every transport carries; shm
@@ -138,11 +138,11 @@ _WANT_RETRY_S = 0.5  # a blocked sender asks again this often if no credit came
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 _U32 = struct.Struct("<I")
 # Frames whose buffers hold at most this many bytes travel whole as one text argument, no RPC
-# tensor: TensorPipe spends ~100 us per tensor (one channel transfer each; measured on the
-# 2-core reference VM: a 1.25 KB echo RPC 0.52 ms with a header tensor and a buffer tensor,
-# 0.3 ms as text), while TorchScript strings get slow as they grow (2 KiB: 0.33 vs 0.41 ms
-# as a tensor; 4 KiB: slower than the tensor).
-_INLINE_MAX = 2048
+# tensor: TensorPipe spends ~0.1 ms per tensor (a channel transfer each), while TorchScript
+# strings get slow as they grow (random bytes as latin-1 text; both ways of a script echo on the
+# 2-core reference VM: 8 KiB 0.20 ms as text, 0.28 ms as a tensor; 20 KiB 0.35 against 0.28).
+# An mq call of 4 KB / 8 KB took 0.52-0.56 ms inline against 0.62-0.66 ms with a 2 KiB bound.
+_INLINE_MAX = 8 << 10
 
 
 # ---------------------------------------------------------------------- the wire entry point
