@@ -332,6 +332,7 @@ def tensorpipe_options(
     *,
     cuda: bool,
     socket_ifname: str | None = None,
+    busy_poll: bool = True,
 ) -> dict[str, object]:
     """TensorPipe transports and channels that can work for this node and its peers.
 
@@ -347,6 +348,9 @@ def tensorpipe_options(
         remote_by_peer: each peer's descriptor, by node id.
         cuda: the backend moves CUDA tensors (``torchrpc:cuda``); False drops CUDA channels.
         socket_ifname: network interface TensorPipe's TCP transport should bind to.
+        busy_poll: allow TensorPipe's ``shm`` transport, whose reactor thread spins: one CPU
+            core per process for as long as the agent runs, idle or not. Without it same-host
+            frames take loopback TCP (``uv``), slower per message but asleep when idle.
 
     Returns:
         ``{"_transports": [...], "_channels": [...], "env": {...}, "dropped": {name: why}}``;
@@ -366,10 +370,12 @@ def tensorpipe_options(
         return same_host(r) and _same(local.ipc_ns, r.ipc_ns)
 
     transports = []
-    if any(same_ipc(r) for r in peers):
-        transports.append("shm")
-    else:
+    if not any(same_ipc(r) for r in peers):
         dropped["shm"] = "no peer shares this node's boot id and IPC namespace"
+    elif not busy_poll:
+        dropped["shm"] = "busy_poll=False (TensorPipe's shm transport spins a CPU core per process)"
+    else:
+        transports.append("shm")
     if local.active_rdma_ports():
         transports.append("ibv")
     else:

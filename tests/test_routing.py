@@ -309,6 +309,14 @@ def test_tensorpipe_cpu_same_host_no_rdma():
     assert "ibv" in opts["dropped"]
 
 
+def test_tensorpipe_shm_transport_only_with_busy_poll():
+    peers = {1: node(pid=200), 2: node(boot_id=BOOT_B)}
+    assert "shm" in tensorpipe_options(node(), peers, cuda=False)["_transports"]
+    opts = tensorpipe_options(node(), peers, cuda=False, busy_poll=False)
+    assert opts["_transports"] == ["uv"]
+    assert "busy_poll=False" in opts["dropped"]["shm"]
+
+
 def test_tensorpipe_no_shm_when_ipc_namespace_differs_from_all_peers():
     opts = tensorpipe_options(node(), {1: node(pid=200, ipc_ns="ipc:[4026532571]"), 2: node(boot_id=BOOT_B)}, cuda=False)
     assert "shm" not in opts["_transports"]

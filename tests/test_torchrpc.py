@@ -12,6 +12,7 @@ import queue
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -217,6 +218,21 @@ def test_sender_may_modify_buffers_after_send_returns(options):
     assert res[0] == [(float(i), float(i)) for i in range(5)]
 
 
+@pytest.mark.timeout(180)
+def test_busy_poll_off_leaves_an_idle_process_asleep():
+    # TensorPipe's shm transport spins a core per process (99-100% of one here while idle);
+    # busy_poll=False keeps same-host frames on loopback TCP: messages, tensors and calls
+    # still flow, and an idle node spends next to no CPU (a spinning one would show ~1 core).
+    with Group("idle_cpu", 2, busy_poll=False) as g:
+        res = g.results()
+        g.join()
+    for node in (0, 1):
+        r = res[node]
+        assert "shm" not in r["transports"], r
+        assert r["got"] == float(np.arange(10_000, dtype=np.float32).sum()) and r["answer"] == {"n": node}
+        assert r["cores"] < 0.3, f"node {node} spent {r['cores']:.2f} cores while idle"
+
+
 @pytest.mark.timeout(120)
 def test_one_rpc_agent_per_process():
     with Group("second_agent", 1, init_method2=tcp()) as g:
@@ -255,6 +271,7 @@ def test_torchrpc_cuda_without_gpu_is_a_config_error():
     ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "device": "tpu"}, "device"),
     ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "send_window": 0}, "send_window"),
     ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "socket_ifname": "nosuch9"}, "socket_ifname"),
+    ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "busy_poll": "no"}, "busy_poll"),
     ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "local_cuda_devices": [0, 0]}, "twice"),
 ])
 def test_bad_options_are_config_errors(options, match):

@@ -311,6 +311,27 @@ def no_unpickle(node_id: int, world_size: int, init_method: str) -> Any:
             "echo": echoed["t"].tolist()}
 
 
+def idle_cpu(node_id: int, world_size: int, init_method: str, **options: Any) -> Any:
+    """Messages and a call go both ways, then both nodes sit idle for 2 s: the CPU this
+    process spent meanwhile (cores), and the TensorPipe transports it allowed."""
+    import resource
+
+    with _create(node_id, world_size, init_method, **options) as q:
+        q.on("echo", lambda x: x)
+        q.wait_for_peers(1, timeout=20)
+        other = 1 - node_id
+        q.send(other, "hi", np.arange(10_000, dtype=np.float32))  # 40 KB: an RPC tensor
+        got = q.recv(timeout=20).payload
+        answer = q.call(other, "echo", {"n": node_id}, timeout=20)
+        time.sleep(0.5)  # the other node's call ends too
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        time.sleep(2.0)
+        r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        cores = (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / (t1 - t0)
+        return {"cores": cores, "transports": q.transport.tp_options["_transports"],
+                "got": float(got.sum()), "answer": answer}
+
+
 def _python_udf(x: int) -> int:
     return x + 1
 
