@@ -64,6 +64,10 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
               help="torchrpc:cuda: logical GPU indices this node uses.")
 @click.option("--cuda-device-map", default=None, metavar="PEER_LOCAL_PEERGPU,...",
               help="torchrpc:cuda: device map, e.g. 1_0_1,2_0_2 (peer 1: local GPU 0 -> its GPU 1).")
+@click.option("--busy-poll/--no-busy-poll", "busy_poll", default=None,
+              help="torchrpc: let TensorPipe's same-host shm transport spin one CPU core per "
+                   "process (fastest small messages; torch's default). --no-busy-poll: loopback "
+                   "TCP instead, idle workers sleep (collectors stepping environments).")
 @click.option("--platform", default="local", show_default=True, metavar="local|slurm|k8s",
               help="Derive node ids, addresses and ports from the scheduler's environment.")
 @click.option("--startup-interval", type=float, default=0.0, show_default=True,
@@ -77,7 +81,7 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
 def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: str, topology: str,
         protocol: str, address: str | None, ports: str | None, attach_to: str | None,
         node_ids: str | None, labels: tuple[str, ...], roles: str | None, world_size: int | None, init_method: str | None,
-        local_cuda_devices: str | None, cuda_device_map: str | None, platform: str,
+        local_cuda_devices: str | None, cuda_device_map: str | None, busy_poll: bool | None, platform: str,
         startup_interval: float, log_level: str, job_timeout: float | None, args: tuple[str, ...]) -> None:
     """Launch this machine's workers of a job; each runs MAIN(ctx) with its open queue.
 
@@ -107,8 +111,9 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
             address=address, ports=_int_list(ports, "--ports"), attach_to=attach,
             init_method=init_method,
             local_cuda_devices=device_map.parse_devices(local_cuda_devices) if local_cuda_devices else None,
-            cuda_device_map=cuda_device_map, platform=platform, startup_interval=startup_interval,
-            log_level=log_level, package=package, args={"argv": list(args)})
+            cuda_device_map=cuda_device_map, busy_poll=busy_poll, platform=platform,
+            startup_interval=startup_interval, log_level=log_level, package=package,
+            args={"argv": list(args)})
         if cuda_device_map and mq_type == "torchrpc:cuda":
             device_map.parse(cuda_device_map, plan.node_ids[0], plan.options[plan.node_ids[0]].get("local_cuda_devices"))
     except ConfigError as exc:

@@ -216,7 +216,7 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int | None = None, m
               protocol: str = "auto", address: str | None = None, ports: Iterable[int] | None = None,
               attach_to: Iterable[str] = (), init_method: str | None = None,
               local_cuda_devices: Iterable[int] | None = None, cuda_device_map: str | None = None,
-              platform: str = "local", startup_interval: float = 0.0, log_level: str = "WARNING",
+              busy_poll: bool | None = None, platform: str = "local", startup_interval: float = 0.0, log_level: str = "WARNING",
               package: str | None = None, mq_options: Mapping[str, Any] | None = None,
               args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
               check_network: bool = True) -> Plan:
@@ -226,7 +226,8 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int | None = None, m
     per Slurm task (``srun -n 4``); a number under Slurm runs that many workers per host (one
     launcher per host). ``roles`` (``"learner:1,collector:*"``) deals labels in node-id order
     over the whole job. ``check_network`` resolves every host name and checks this host's
-    ports before anything starts (off for planning on another machine).
+    ports before anything starts (off for planning on another machine). ``busy_poll``
+    (torchrpc): see :class:`mq.backends.torchrpc.TorchRpcTransport`; None leaves torch's default.
 
     Raises:
         ConfigError: a bad option, an option the platform derives itself, a host name that
@@ -245,6 +246,9 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int | None = None, m
         raise ConfigError(f"platform must be local, slurm or k8s, got {platform!r}")
     if init_method:
         parse_init_method(init_method, environ)
+    if busy_poll is not None and (mq_type == "nng" or not isinstance(busy_poll, bool)):
+        raise ConfigError(f"busy_poll={busy_poll!r}: it is True or False, for torchrpc only (TensorPipe's "
+                          "same-host transport spins a core per process; nng never busy-polls)")
     ref = main_ref(main)
     resolve_main(ref, package)  # fail in the launcher, with one line, not in every worker
     from mq import device_map, platforms
@@ -315,6 +319,8 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int | None = None, m
                 options[n]["local_cuda_devices"] = cuda_devices
             if cuda_device_map:
                 options[n]["cuda_device_map"] = cuda_device_map
+            if busy_poll is not None:
+                options[n]["busy_poll"] = busy_poll
         options[n].update(mq_options or {})
     node_labels = parse_labels(labels, ids)
     if roles is not None:

@@ -138,6 +138,7 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
     (["--node-ids", "0,x"], "'x' is not a non-negative integer"),
     (["--ports", "5000,5001"], "gives 2 ports for 1 workers"),
     (["--cuda-device-map", "1_0_1"], "device maps need torchrpc:cuda"),
+    (["--no-busy-poll"], "for torchrpc only"),
     (["--mq-type", "torchrpc:cuda", "--cuda-device-map", "1_0"], "'1_0' is malformed"),
     (["--platform", "mars"], "platform must be local, slurm or k8s"),
     (["--platform", "slurm"], "SLURM"),
@@ -163,7 +164,8 @@ def test_help_documents_every_option():
     assert r.returncode == 0
     for option in ["--package", "--main", "--parallel-workers", "--mq-type", "--topology", "--protocol",
                    "--address", "--ports", "--attach-to", "--node-ids", "--labels", "--world-size",
-                   "--init-method", "--local-cuda-devices", "--cuda-device-map", "--platform",
+                   "--init-method", "--local-cuda-devices", "--cuda-device-map", "--busy-poll",
+                   "--no-busy-poll", "--platform",
                    "--startup-interval", "--log-level"]:
         assert option in r.stdout, option
 
@@ -261,6 +263,16 @@ def test_roles_by_rank_locally():
     assert r.returncode == 0, r.stderr
     lines = sorted(r.stdout.splitlines())
     assert lines[0].startswith("node 0 labels ['learner']") and lines[2].startswith("node 2 labels ['collector']")
+
+
+def test_busy_poll_reaches_every_torchrpc_worker_and_only_when_asked():
+    def plan(**kw):
+        return make_plan("tests.jobs.roles:ok", n_workers=2, mq_type="torchrpc:cpu", check_network=False, **kw)
+
+    assert all(o["busy_poll"] is False for o in plan(busy_poll=False).options.values())
+    assert all("busy_poll" not in o for o in plan().options.values())
+    with pytest.raises(mq.ConfigError, match="True or False"):
+        plan(busy_poll="off")
 
 
 def test_plan_honours_platform_init_method_for_torchrpc():

@@ -46,11 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     except (SetupError, mq.ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # Collectors step environments next to the learner: no core spent spinning in TensorPipe.
+    torchrpc = {"busy_poll": False} if args.mq_type.startswith("torchrpc") else {}
     with tempfile.TemporaryDirectory(prefix="atari_dqn-") as tmp:
         report_path = os.path.join(tmp, "report.json")
         try:
             mq.launch("examples.atari_dqn.roles:main", n_workers=len(roles), mq_type=args.mq_type,
-                      labels=roles, args={"config": config.to_dict(args), "report": report_path})
+                      labels=roles, args={"config": config.to_dict(args), "report": report_path},
+                      **torchrpc)
         except mq.LaunchError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
