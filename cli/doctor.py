@@ -244,7 +244,11 @@ def _render(rep: dict[str, Any]) -> None:
         table.add_row("TensorPipe", f"[red]{tp['error']}[/red]")
     else:
         table.add_row("TensorPipe", "backend present" if tp["backend_present"] else "[red]absent[/red]")
-        table.add_row("  transports", ", ".join(tp["options"]["_transports"]))
+        transports = ", ".join(tp["options"]["_transports"])
+        if "shm" in tp["options"]["_transports"]:
+            transports += (" [yellow](shm busy-polls one CPU core per torchrpc process: "
+                           "busy_poll=False, mq run --no-busy-poll)[/yellow]")
+        table.add_row("  transports", transports)
         table.add_row("  channels", ", ".join(tp["options"]["_channels"]))
     pn = rep["pynng"]
     table.add_row("pynng", pn.get("version") or "[red]missing[/red]")

@@ -368,6 +368,11 @@ def test_doctor_human_output_exits_0():
     assert result.exit_code == 0, result.output
     for title in ("container", "fork safety", "RDMA devices", "GPUs", "TensorPipe", "routes"):
         assert title in result.output
+    rep = json.loads(runner.invoke(doctor.doctor, ["--json"]).output)
+    if "shm" in rep["tensorpipe"].get("options", {}).get("_transports", []):
+        # TensorPipe's same-host transport spins a core per process: doctor says how to avoid it
+        condensed = "".join(c for c in result.output if not c.isspace() and c != "│")  # rich wraps
+        assert "busy-polls" in condensed and "--no-busy-poll" in condensed
 
 
 def test_doctor_with_gpus_and_rdma(monkeypatch):
