@@ -200,6 +200,7 @@ class MQ:
         self._peers: dict[int, Peer] = {}
         self._peers_changed = threading.Condition()
         self._calls: dict[int, tuple[int, Future]] = {}
+        self._exchanging: set[int] = set()  # calls inside transport.request: it reports their fate
         self._call_ids = itertools.count(1)
         self._seq = itertools.count()
         self._lock = threading.RLock()
@@ -262,8 +263,9 @@ class MQ:
         if self._state != "listening":
             self._state = "stopped"
             return
-        self._state = "stopping"
         deadline = time.monotonic() + timeout
+        self._finish_handlers(deadline)  # still listening: their answers may still be sent
+        self._state = "stopping"
         self._farewell(deadline)
         try:
             self.transport.close(max(0.1, deadline - time.monotonic()))
@@ -283,6 +285,16 @@ class MQ:
             self._executor.shutdown(wait=False, cancel_futures=True)
         if self._dispatcher is not None:
             self._dispatcher.join(max(0.0, deadline - time.monotonic()))
+
+    def _finish_handlers(self, deadline: float) -> None:
+        """Before saying goodbye, let call handlers already running send their answers (for
+        at most half the time left): a caller whose handler ran gets its answer, not PeerLost."""
+        until = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+        # (Semaphore counts read without their locks, as in _caller_may_read.)
+        while ((self._request_slots._value < self._handler_threads
+                or self._handler_slots._value < self._handler_threads * 4)
+               and time.monotonic() < until):
+            time.sleep(0.005)
 
     def _farewell(self, deadline: float) -> None:
         """Tell every live peer we leave and wait for its answer: links are FIFO, so an answer
@@ -474,7 +486,7 @@ class MQ:
             self._calls[corr] = (peer, fut)
         try:
             frame = self._encode(REQ, topic, payload, corr)
-            if not (self.transport.answers_requests and self._request(peer, frame, deadline)):
+            if not (self.transport.answers_requests and self._exchange(peer, frame, corr, deadline)):
                 self._deliver_to([peer], frame, deadline)
                 self._read_while(fut.done, deadline)
             return fut.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -484,6 +496,18 @@ class MQ:
         finally:
             with self._lock:
                 self._calls.pop(corr, None)
+
+    def _exchange(self, peer: int, frame: Frame, corr: int, deadline: float) -> bool:
+        """:meth:`_request`, during which losing ``peer`` does not fail the call: an answer
+        sent before the peer's goodbye may still be on its way, and the transport's request
+        ends either way (answered, or PeerLost)."""
+        with self._lock:
+            self._exchanging.add(corr)
+        try:
+            return self._request(peer, frame, deadline)
+        finally:
+            with self._lock:
+                self._exchanging.discard(corr)
 
     def _request(self, peer: int, frame: Frame, deadline: float) -> bool:
         """A call in one exchange (``Transport.request``): the reply resolves the call's future
@@ -509,8 +533,8 @@ class MQ:
         except Timeout:
             raise FutureTimeout() from None  # call() words it
         except MQError:
-            if p.lost:  # the link broke because the peer died: the call's future says so
-                return True
+            if p.lost:  # the link broke because the peer died or left
+                raise PeerLost(f"node {peer} {p.lost}") from None
             raise
         if reply is None:
             return False
@@ -1154,7 +1178,8 @@ class MQ:
             self._peers_changed.notify_all()
         log.info("node %d: peer %d lost: %s", self.node_id, node_id, why)
         self._forget_pool_state(peer)
-        self._fail_calls(lambda p: PeerLost(f"node {p} {why}") if p == node_id else None)
+        self._fail_calls(lambda p: PeerLost(f"node {p} {why}") if p == node_id else None,
+                         spare_exchanges=True)
         # Wake every sender blocked on its link now. Not from this thread: it may be the
         # transport's own callback, which must not close its socket under itself.
         threading.Thread(target=self._disconnect, args=(node_id,), daemon=True).start()
@@ -1468,9 +1493,10 @@ class MQ:
     def _live_peers(self) -> list[int]:
         return [p.node_id for p in self._peer_list() if not p.lost]
 
-    def _fail_calls(self, error_for: Callable[[int], MQError | None]) -> None:
+    def _fail_calls(self, error_for: Callable[[int], MQError | None], spare_exchanges: bool = False) -> None:
         with self._lock:
-            pending = list(self._calls.values())
+            pending = [entry for corr, entry in self._calls.items()
+                       if not (spare_exchanges and corr in self._exchanging)]
         for peer, fut in pending:
             err = error_for(peer)
             if err is not None:

@@ -352,6 +352,32 @@ def check_peer_stopped(ctx: mq.Context) -> Any:
     raise AssertionError("send to a stopped peer kept succeeding")
 
 
+def check_answer_before_goodbye(ctx: mq.Context) -> Any:
+    """Node 1 stops while its handler for node 0's call is still running: the call still
+    gets its answer (stop lets running handlers answer first), not PeerLost."""
+    q = ctx.mq
+    if ctx.node_id == 1:
+        running = threading.Event()
+
+        def slow(x: int) -> int:
+            running.set()
+            time.sleep(0.3)
+            return x + 1
+
+        q.on("slow", slow)
+        q.send(0, "go", None)
+        if not running.wait(10):
+            raise AssertionError("node 0's call never reached the handler")
+        q.stop()
+        return "stopped"
+    assert q.recv(timeout=10).topic == "go"
+    answer = q.call(1, "slow", 41, timeout=10)
+    deadline = time.monotonic() + 10  # node 1's goodbye follows: no "end" barrier with it
+    while 1 in q.peers() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return answer
+
+
 def _drain(q: mq.MQ, expect: int, timeout: float = 20.0) -> list[mq.Message]:
     out: list[mq.Message] = []
     deadline = time.monotonic() + timeout

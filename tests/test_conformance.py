@@ -94,3 +94,7 @@ def test_subscription_handler_runs_in_order_off_the_io_thread(backend):
 def test_send_to_stopped_peer_raises_peer_lost(backend):
     msg = run(backend, "check_peer_stopped")[0]
     assert "node 1" in msg
+
+
+def test_a_call_whose_handler_runs_when_the_server_stops_gets_its_answer(backend):
+    assert run(backend, "check_answer_before_goodbye")[0] == 42

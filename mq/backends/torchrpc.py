@@ -135,6 +135,9 @@ log = logging.getLogger("mq.torchrpc")
 
 _CREDIT, _WANT, _PING = -1, -2, -3  # unordered control frames (negative seq)
 _WANT_RETRY_S = 0.5  # a blocked sender asks again this often if no credit came
+# A request whose link was lost waits this much longer for an answer already on its way (a dead
+# peer's RPC fails at once anyway; a silent one's would only fail at the RPC timeout).
+_ANSWER_GRACE_S = 1.0
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 _U32 = struct.Struct("<I")
 # Frames whose buffers hold at most this many bytes travel whole as one text argument, no RPC
@@ -787,6 +790,7 @@ class TorchRpcTransport(Transport):
             if link.failed:
                 raise PeerLost(f"node {peer} {link.failed}")
             link.requests.add(answered)
+        deadline = time.monotonic() + timeout
         try:
             try:
                 fut = rpc.rpc_async(link.info, _request_script, args=(self.node_id, out.text, buffers),
@@ -802,6 +806,11 @@ class TorchRpcTransport(Transport):
         finally:
             with link.cond:
                 link.requests.discard(answered)
+        if not fut.done() and link.failed and not self._closed:
+            # Woken by disconnect(). The answer may be on its way all the same: a peer that
+            # stopped sent it before its goodbye, but TensorPipe completes the answer and
+            # delivers the goodbye on different threads, so the goodbye can win here.
+            answered.acquire(timeout=max(0.0, min(_ANSWER_GRACE_S, deadline - time.monotonic())))
         if not fut.done():  # woken by disconnect() or close()
             if link.failed:
                 raise PeerLost(f"node {peer} {link.failed}")

@@ -18,8 +18,9 @@ from tests.jobs import say
 def learn(ctx: mq.Context) -> None:
     """The learner serves ``square`` to every collector; each collector checks its answer.
 
-    The learner tells the collectors ``done`` only after serving all of them, so no node
-    leaves (and says goodbye) while another still needs it.
+    The learner tells the collectors ``go`` once its handler is registered (a collector may
+    join before the learner's main runs) and ``done`` only after serving all of them, so no
+    node leaves (and says goodbye) while another still needs it.
     """
     q = ctx.mq
     served: list[int] = []
@@ -32,6 +33,8 @@ def learn(ctx: mq.Context) -> None:
     result = None
     if "learner" in ctx.labels:
         collectors = q.peers(label="collector")
+        for peer in collectors:
+            q.send(peer, "go", None, timeout=10)
         deadline = time.monotonic() + 60
         while len(served) < len(collectors) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -39,6 +42,7 @@ def learn(ctx: mq.Context) -> None:
             q.send(peer, "done", "bye", timeout=10)
         result = sorted(served)
     else:
+        assert q.recv(timeout=60).topic == "go"
         result = q.call(learners[0], "square", ctx.node_id, timeout=30)
         assert result == ctx.node_id ** 2, result
         assert q.recv(timeout=60).topic == "done"
