@@ -486,7 +486,7 @@ class MQ:
             self._calls[corr] = (peer, fut)
         try:
             frame = self._encode(REQ, topic, payload, corr)
-            if not (self.transport.answers_requests and self._exchange(peer, frame, corr, deadline)):
+            if not (self.transport.answers_requests and self._request(peer, frame, deadline)):
                 self._deliver_to([peer], frame, deadline)
                 self._read_while(fut.done, deadline)
             return fut.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -496,18 +496,6 @@ class MQ:
         finally:
             with self._lock:
                 self._calls.pop(corr, None)
-
-    def _exchange(self, peer: int, frame: Frame, corr: int, deadline: float) -> bool:
-        """:meth:`_request`, during which losing ``peer`` does not fail the call: an answer
-        sent before the peer's goodbye may still be on its way, and the transport's request
-        ends either way (answered, or PeerLost)."""
-        with self._lock:
-            self._exchanging.add(corr)
-        try:
-            return self._request(peer, frame, deadline)
-        finally:
-            with self._lock:
-                self._exchanging.discard(corr)
 
     def _request(self, peer: int, frame: Frame, deadline: float) -> bool:
         """A call in one exchange (``Transport.request``): the reply resolves the call's future
@@ -528,6 +516,11 @@ class MQ:
         left = deadline - time.monotonic()
         if left <= 0:
             raise FutureTimeout()
+        # Meanwhile losing the peer does not fail the call (_peer_lost spares it): an answer sent
+        # before the peer's goodbye may still be on its way, and the request ends either way.
+        corr = frame.head[5]
+        with self._lock:
+            self._exchanging.add(corr)
         try:
             reply = self.transport.request(peer, frame, left)
         except Timeout:
@@ -536,6 +529,9 @@ class MQ:
             if p.lost:  # the link broke because the peer died or left
                 raise PeerLost(f"node {peer} {p.lost}") from None
             raise
+        finally:
+            with self._lock:
+                self._exchanging.discard(corr)
         if reply is None:
             return False
         self._stats.sent += 1
