@@ -200,7 +200,6 @@ class MQ:
         self._peers: dict[int, Peer] = {}
         self._peers_changed = threading.Condition()
         self._calls: dict[int, tuple[int, Future]] = {}
-        self._exchanging: set[int] = set()  # calls inside transport.request: it reports their fate
         self._call_ids = itertools.count(1)
         self._seq = itertools.count()
         self._lock = threading.RLock()
@@ -481,29 +480,39 @@ class MQ:
         deadline = time.monotonic() + timeout
         self._wait_peer(peer, timeout)
         corr = next(self._call_ids)
+        frame = self._encode(REQ, topic, payload, corr)
+        try:
+            if self.transport.answers_requests:
+                env = self._request(peer, frame, deadline)
+                if env is not None:
+                    if env.kind == REP_OK:
+                        return env.payload
+                    raise _remote_error(env)
+            return self._call_by_frames(peer, corr, frame, deadline)
+        except FutureTimeout:
+            raise Timeout(f"node {peer} did not answer call {topic!r} within {timeout:g}s "
+                          "(pass timeout= to wait longer)") from None
+
+    def _call_by_frames(self, peer: int, corr: int, frame: Frame, deadline: float) -> Any:
+        """A call as a REQ frame; the REP frame resolves its future (:meth:`_on_reply`)."""
         fut: Future = Future()
         with self._lock:
             self._calls[corr] = (peer, fut)
         try:
-            frame = self._encode(REQ, topic, payload, corr)
-            if not (self.transport.answers_requests and self._request(peer, frame, deadline)):
-                self._deliver_to([peer], frame, deadline)
-                self._read_while(fut.done, deadline)
+            self._deliver_to([peer], frame, deadline)
+            self._read_while(fut.done, deadline)
             return fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            raise Timeout(f"node {peer} did not answer call {topic!r} within {timeout:g}s "
-                          "(pass timeout= to wait longer)") from None
         finally:
             with self._lock:
                 self._calls.pop(corr, None)
 
-    def _request(self, peer: int, frame: Frame, deadline: float) -> bool:
-        """A call in one exchange (``Transport.request``): the reply resolves the call's future
-        as if it had come as a frame. False when the peer did not take it as a request (the
-        caller sends it as an ordinary frame). Calls travel inline this way, also to a peer
-        on the shm route: the request is one exchange and the peer's transport moves the
-        bytes (TensorPipe has its own same-host channels); descriptors would need a second
-        message to give the slots back."""
+    def _request(self, peer: int, frame: Frame, deadline: float) -> Envelope | None:
+        """A call in one exchange (``Transport.request``): its checked reply (REP_OK/REP_ERR),
+        or None when the peer did not take it as a request (the caller sends it as an ordinary
+        frame). Calls travel inline this way, also to a peer on the shm route: the request is
+        one exchange and the peer's transport moves the bytes (TensorPipe has its own
+        same-host channels); descriptors would need a second message to give the slots back.
+        Losing the peer meanwhile ends the exchange in the transport, which says how."""
         if self._state != "listening":
             raise ClosedError(self._not_listening("call"))
         p = self._peers.get(peer)
@@ -516,11 +525,6 @@ class MQ:
         left = deadline - time.monotonic()
         if left <= 0:
             raise FutureTimeout()
-        # Meanwhile losing the peer does not fail the call (_peer_lost spares it): an answer sent
-        # before the peer's goodbye may still be on its way, and the request ends either way.
-        corr = frame.head[5]
-        with self._lock:
-            self._exchanging.add(corr)
         try:
             reply = self.transport.request(peer, frame, left)
         except Timeout:
@@ -529,11 +533,8 @@ class MQ:
             if p.lost:  # the link broke because the peer died or left
                 raise PeerLost(f"node {peer} {p.lost}") from None
             raise
-        finally:
-            with self._lock:
-                self._exchanging.discard(corr)
         if reply is None:
-            return False
+            return None
         self._stats.sent += 1
         p.last_sent = time.monotonic()
         try:
@@ -547,8 +548,7 @@ class MQ:
             raise ProtocolError(f"node {peer} answered call {frame.head[5]} with something else")
         self._stats.received += 1
         p.last_seen = time.monotonic()
-        self._on_reply(env)
-        return True
+        return env
 
     def on(self, topic: str, fn: Callable[[Any], Any]) -> None:
         """Serve :meth:`call` on ``topic``: ``fn(payload)`` returns the answer."""
@@ -1174,8 +1174,7 @@ class MQ:
             self._peers_changed.notify_all()
         log.info("node %d: peer %d lost: %s", self.node_id, node_id, why)
         self._forget_pool_state(peer)
-        self._fail_calls(lambda p: PeerLost(f"node {p} {why}") if p == node_id else None,
-                         spare_exchanges=True)
+        self._fail_calls(lambda p: PeerLost(f"node {p} {why}") if p == node_id else None)
         # Wake every sender blocked on its link now. Not from this thread: it may be the
         # transport's own callback, which must not close its socket under itself.
         threading.Thread(target=self._disconnect, args=(node_id,), daemon=True).start()
@@ -1340,9 +1339,7 @@ class MQ:
             if env.kind == REP_OK:
                 fut.set_result(env.payload)
             else:
-                p = env.payload if isinstance(env.payload, dict) else {}
-                fut.set_exception(RemoteError(str(p.get("type", "?")), str(p.get("message", "")),
-                                              str(p.get("traceback", "")), peer=env.sender))
+                fut.set_exception(_remote_error(env))
         except InvalidStateError:  # the call already failed (peer lost, stop) or timed out
             self._stats.dropped_unexpected_reply += 1
 
@@ -1489,10 +1486,11 @@ class MQ:
     def _live_peers(self) -> list[int]:
         return [p.node_id for p in self._peer_list() if not p.lost]
 
-    def _fail_calls(self, error_for: Callable[[int], MQError | None], spare_exchanges: bool = False) -> None:
+    def _fail_calls(self, error_for: Callable[[int], MQError | None]) -> None:
+        """Fail the calls waiting for a REP frame (a call inside ``transport.request`` learns
+        its fate from the transport: an answer sent before a peer's goodbye may still come)."""
         with self._lock:
-            pending = [entry for corr, entry in self._calls.items()
-                       if not (spare_exchanges and corr in self._exchanging)]
+            pending = list(self._calls.values())
         for peer, fut in pending:
             err = error_for(peer)
             if err is not None:
@@ -1645,6 +1643,13 @@ class BoundedQueue:
 def _check_topic(topic: Any) -> None:
     if not isinstance(topic, str) or not topic:
         raise ConfigError(f"topic must be a non-empty str, got {topic!r}")
+
+
+def _remote_error(env: Envelope) -> RemoteError:
+    """The error a REP_ERR frame carries, rebuilt from its text."""
+    p = env.payload if isinstance(env.payload, dict) else {}
+    return RemoteError(str(p.get("type", "?")), str(p.get("message", "")), str(p.get("traceback", "")),
+                       peer=env.sender)
 
 
 def _error_payload(exc: BaseException) -> dict[str, str]:

@@ -216,6 +216,32 @@ def test_a_remembered_tree_still_checks_its_buffer():
             c.decode(head, [memoryview(bytearray(wrong))])
 
 
+def test_a_remembered_tree_decodes_torch_rpc_array_buffers():
+    # torch RPC hands buffers over as 1-d uint8 arrays: the table decodes them too (a view of
+    # the same memory), still checks their size, and copies a read-only one for torch.
+    c = Codec(keep_tensors=True)
+    for payload in (torch.arange(12, dtype=torch.float32).reshape(3, 4), np.arange(6.0).reshape(2, 3),
+                    torch.arange(5, dtype=torch.uint8)):
+        frame = c.encode(MSG, "t", 1, 1, 0, payload)
+        raw = frame.buffers[0]
+        flat = raw.reshape(-1).view(torch.uint8).numpy() if isinstance(raw, torch.Tensor) else raw
+        for _ in range(2):  # the second decode takes the table
+            buf = flat.copy()
+            out = c.decode(bytes(frame.header), [buf]).payload
+            assert _same(payload, out)
+            view = out.numpy() if isinstance(out, torch.Tensor) else out
+            assert np.shares_memory(view, buf) and view.flags.writeable
+        frozen = flat.copy()
+        frozen.flags.writeable = False
+        out = c.decode(bytes(frame.header), [frozen]).payload
+        assert _same(payload, out)
+        if isinstance(out, torch.Tensor):
+            assert not np.shares_memory(out.numpy(), frozen)  # torch cannot hold read-only memory
+        for wrong in (flat[:-1].copy(), np.concatenate([flat, flat[:1]])):
+            with pytest.raises(ProtocolError, match="does not match|buffer"):
+                c.decode(bytes(frame.header), [wrong])
+
+
 def test_common_payloads_decode_like_the_general_path():
     # The fast encoder covers one tensor/array, scalars, strings and flat dicts of them; what
     # it does not cover (subclasses, nested containers, non-str keys) goes the general way.
