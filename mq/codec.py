@@ -646,8 +646,10 @@ def _remember_one_buffer_tree(tree: bytes, out: Any) -> None:
 
 
 def _flat_bytes(buf: Any, nbytes: int) -> bool:
-    """Whether ``buf`` is a 1-d uint8 numpy array of ``nbytes`` bytes."""
-    return type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.nbytes == nbytes
+    """Whether ``buf`` is a contiguous 1-d uint8 numpy array of ``nbytes`` bytes (a peer's
+    tensor may arrive strided: that one goes the long way, which refuses it)."""
+    return (type(buf) is np.ndarray and buf.dtype == np.uint8 and buf.ndim == 1 and buf.nbytes == nbytes
+            and buf.flags.c_contiguous)
 
 
 def buffer_nbytes(b: Any) -> int:

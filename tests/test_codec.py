@@ -237,8 +237,9 @@ def test_a_remembered_tree_decodes_torch_rpc_array_buffers():
         assert _same(payload, out)
         if isinstance(out, torch.Tensor):
             assert not np.shares_memory(out.numpy(), frozen)  # torch cannot hold read-only memory
-        for wrong in (flat[:-1].copy(), np.concatenate([flat, flat[:1]])):
-            with pytest.raises(ProtocolError, match="does not match|buffer"):
+        strided = np.repeat(flat, 2)[::2]  # a peer's tensor may arrive with any strides
+        for wrong in (flat[:-1].copy(), np.concatenate([flat, flat[:1]]), strided):
+            with pytest.raises(ProtocolError, match="does not match|buffer|contiguous"):
                 c.decode(bytes(frame.header), [wrong])
 
 
