@@ -359,7 +359,7 @@ class Codec:
             if len(buf) == 0:
                 t = torch.empty(shape, dtype=dtype)
             else:
-                if getattr(buf, "readonly", False) or (type(buf) is np.ndarray and not buf.flags.writeable):
+                if memoryview(buf).readonly:
                     buf = bytearray(buf)  # torch wants writable memory (a copy, no zeroing)
                 t = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
         return _place(t, device)

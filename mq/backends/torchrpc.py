@@ -975,7 +975,7 @@ class TorchRpcTransport(Transport):
                 if seq == _WANT:
                     inbound.waiting = True
                 return inbound.report()
-        if any(t.device.type == "cuda" for t in buffers):
+        if any(t.is_cuda for t in buffers):
             _settle_cuda(buffers)
         with self._rx_lock:
             if seq < inbound.expect or seq in inbound.held:
@@ -1054,7 +1054,7 @@ def _inline_text(frame: Frame) -> str | None:
     for b, n in zip(frame.buffers, frame.sizes):
         pos = -(-pos // ALIGN) * ALIGN
         if isinstance(b, torch.Tensor):
-            if b.device.type != "cpu":
+            if not b.is_cpu:
                 return None
             b = b.reshape(-1).view(torch.uint8).numpy() if n else b""
         out[pos:pos + n] = memoryview(b).cast("B")
