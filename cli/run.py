@@ -65,9 +65,10 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
 @click.option("--cuda-device-map", default=None, metavar="PEER_LOCAL_PEERGPU,...",
               help="torchrpc:cuda: device map, e.g. 1_0_1,2_0_2 (peer 1: local GPU 0 -> its GPU 1).")
 @click.option("--busy-poll/--no-busy-poll", "busy_poll", default=None,
-              help="torchrpc: let TensorPipe's same-host shm transport spin one CPU core per "
-                   "process (fastest small messages; torch's default). --no-busy-poll: loopback "
-                   "TCP instead, idle workers sleep (collectors stepping environments).")
+              help="Spin rather than sleep while waiting (both on by default). nng: a recv() or "
+                   "call() polls up to 0.5 ms before sleeping, while answers come that fast. "
+                   "torchrpc: TensorPipe's same-host shm transport spins one CPU core per process. "
+                   "--no-busy-poll: every wait sleeps (nng), loopback TCP (torchrpc).")
 @click.option("--platform", default="local", show_default=True, metavar="local|slurm|k8s",
               help="Derive node ids, addresses and ports from the scheduler's environment.")
 @click.option("--startup-interval", type=float, default=0.0, show_default=True,

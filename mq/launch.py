@@ -226,8 +226,9 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int | None = None, m
     per Slurm task (``srun -n 4``); a number under Slurm runs that many workers per host (one
     launcher per host). ``roles`` (``"learner:1,collector:*"``) deals labels in node-id order
     over the whole job. ``check_network`` resolves every host name and checks this host's
-    ports before anything starts (off for planning on another machine). ``busy_poll``
-    (torchrpc): see :class:`mq.backends.torchrpc.TorchRpcTransport`; None leaves torch's default.
+    ports before anything starts (off for planning on another machine). ``busy_poll``: see
+    :class:`mq.backends.nng.NngTransport` and :class:`mq.backends.torchrpc.TorchRpcTransport`;
+    None leaves the transport's default (on for both).
 
     Raises:
         ConfigError: a bad option, an option the platform derives itself, a host name that
@@ -246,9 +247,9 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int | None = None, m
         raise ConfigError(f"platform must be local, slurm or k8s, got {platform!r}")
     if init_method:
         parse_init_method(init_method, environ)
-    if busy_poll is not None and (mq_type == "nng" or not isinstance(busy_poll, bool)):
-        raise ConfigError(f"busy_poll={busy_poll!r}: it is True or False, for torchrpc only (TensorPipe's "
-                          "same-host transport spins a core per process; nng never busy-polls)")
+    if busy_poll is not None and not isinstance(busy_poll, bool):
+        raise ConfigError(f"busy_poll={busy_poll!r}: it is True or False (or None for the transport's "
+                          "default)")
     ref = main_ref(main)
     resolve_main(ref, package)  # fail in the launcher, with one line, not in every worker
     from mq import device_map, platforms
@@ -319,8 +320,8 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int | None = None, m
                 options[n]["local_cuda_devices"] = cuda_devices
             if cuda_device_map:
                 options[n]["cuda_device_map"] = cuda_device_map
-            if busy_poll is not None:
-                options[n]["busy_poll"] = busy_poll
+        if busy_poll is not None:
+            options[n]["busy_poll"] = busy_poll
         options[n].update(mq_options or {})
     node_labels = parse_labels(labels, ids)
     if roles is not None:

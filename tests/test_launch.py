@@ -138,7 +138,6 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
     (["--node-ids", "0,x"], "'x' is not a non-negative integer"),
     (["--ports", "5000,5001"], "gives 2 ports for 1 workers"),
     (["--cuda-device-map", "1_0_1"], "device maps need torchrpc:cuda"),
-    (["--no-busy-poll"], "for torchrpc only"),
     (["--mq-type", "torchrpc:cuda", "--cuda-device-map", "1_0"], "'1_0' is malformed"),
     (["--platform", "mars"], "platform must be local, slurm or k8s"),
     (["--platform", "slurm"], "SLURM"),
@@ -265,14 +264,16 @@ def test_roles_by_rank_locally():
     assert lines[0].startswith("node 0 labels ['learner']") and lines[2].startswith("node 2 labels ['collector']")
 
 
-def test_busy_poll_reaches_every_torchrpc_worker_and_only_when_asked():
+@pytest.mark.parametrize("mq_type", ["torchrpc:cpu", "nng"])
+def test_busy_poll_reaches_every_worker_and_only_when_asked(mq_type):
     def plan(**kw):
-        return make_plan("tests.jobs.roles:ok", n_workers=2, mq_type="torchrpc:cpu", check_network=False, **kw)
+        return make_plan("tests.jobs.roles:ok", n_workers=2, mq_type=mq_type, check_network=False, **kw)
 
     assert all(o["busy_poll"] is False for o in plan(busy_poll=False).options.values())
     assert all("busy_poll" not in o for o in plan().options.values())
-    with pytest.raises(mq.ConfigError, match="True or False"):
-        plan(busy_poll="off")
+    for bad in ("off", 1, 0.5):
+        with pytest.raises(mq.ConfigError, match="True or False"):
+            plan(busy_poll=bad)
 
 
 def test_plan_honours_platform_init_method_for_torchrpc():

@@ -195,6 +195,9 @@ def test_bad_create_options():
     for bad in (-1e-6, 1.0, "100us", None, True):
         with pytest.raises(mq.ConfigError, match="batch_window must be seconds between 0 and 0.01"):
             mq.create("nng", 0, batch_window=bad)
+    for bad in ("yes", 1, None, 5e-4):
+        with pytest.raises(mq.ConfigError, match="busy_poll must be True or False"):
+            mq.create("nng", 0, busy_poll=bad)
 
 
 def test_listen_on_a_busy_port_says_so():
@@ -313,3 +316,52 @@ def test_peer_sigkilled_mid_stream_fails_the_sender_fast(batching_node):
     t0 = time.monotonic()
     node.stop(timeout=3)
     assert time.monotonic() - t0 < 4
+
+
+# Busy polling (mq.backends.busypoll): a waiter spins only while answers come within the window,
+# a bounded time per wait, and never with busy_poll=False. Counted, not timed.
+LINKS = {"own links": {}, "NNG sockets only": {"unix_links": False, "tcp_links": False}}
+
+
+@contextlib.contextmanager
+def pong_pair(**options):
+    q = mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", timeout=10, **options)
+    with q, peer_process(q, "pong"):
+        q.wait_for_peers(1, timeout=10)
+        yield q
+
+
+def ping(q, n, delay):
+    for i in range(n):
+        q.send(1, "ping", {"i": i, "delay": delay})
+        msg = q.recv(timeout=10)
+        assert (msg.topic, msg.payload["i"]) == ("pong", i)
+
+
+@pytest.mark.parametrize("links", LINKS)
+def test_a_waiter_spins_while_answers_come_fast_and_sleeps_once_they_come_late(links):
+    with pong_pair(**LINKS[links]) as q:
+        spin = q.transport.busy_poll
+        ping(q, 300, 0.0)
+        assert spin.found >= 1, (spin.spun, spin.found)  # a prompt answer was met spinning
+        ping(q, 3, 0.02)  # answers 20 ms late: 40x the window
+        spun = spin.spun
+        ping(q, 30, 0.02)
+        assert spin.spun - spun <= 2, f"spun {spin.spun - spun} of 30 late waits"
+        assert spin.typical > spin.window
+
+
+def test_a_wait_with_nothing_coming_spins_at_most_the_window():
+    with pong_pair() as q:
+        ping(q, 50, 0.0)  # recent waits short: the next one spins
+        cpu = time.thread_time()
+        with pytest.raises(mq.Timeout):
+            q.recv(timeout=0.5)
+        assert time.thread_time() - cpu < 0.15  # 0.5 ms of spinning, then asleep
+
+
+@pytest.mark.parametrize("links", LINKS)
+def test_busy_poll_off_never_spins(links):
+    with pong_pair(busy_poll=False, **LINKS[links]) as q:
+        ping(q, 100, 0.0)
+        assert (q.transport.busy_poll.spun, q.transport.busy_poll.found) == (0, 0)

@@ -129,6 +129,7 @@ class BenchConfig:
     subscribers: int = 4  # fan-out: N subscribers (and the same run with 1, for the ratio)
     messages: int = 1000  # stream: messages per sample (one ack per burst)
     mode_sizes: dict[str, Sequence[int]] = field(default_factory=dict)  # sizes per mode, if not `sizes`
+    busy_poll: bool | None = None  # the mq nodes' busy_poll option; None: the transport's default
 
     def validate(self) -> "BenchConfig":
         from mq.registry import check_mq_type
@@ -159,6 +160,8 @@ class BenchConfig:
             if m not in MODES:
                 raise ConfigError(f"mode {m!r} is not one of {', '.join(MODES)}")
         self.modes = list(dict.fromkeys(self.modes)) or ["roundtrip"]
+        if self.busy_poll is not None and type(self.busy_poll) is not bool:
+            raise ConfigError(f"busy_poll must be True, False or None, got {self.busy_poll!r}")
         if self.subscribers < 1 or self.messages < 1:
             raise ConfigError("subscribers and messages must be >= 1")
         for m, sizes in self.mode_sizes.items():
@@ -522,7 +525,8 @@ class _Runner:
                 self._break(c, f"could not connect: {exc}", None)
 
     def _spec(self, c: _Case, host: str, hosts: str, side: str, index: int = 0) -> dict[str, Any]:
-        return {**c.spec(host, self.cfg.messages), "env": self._env(hosts, side), "index": index}
+        return {**c.spec(host, self.cfg.messages), "env": self._env(hosts, side), "index": index,
+                "busy_poll": self.cfg.busy_poll}
 
     def _spawn(self, role: str, spec: dict[str, Any], hosts: str) -> _Proc:
         exe = None

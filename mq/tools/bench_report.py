@@ -241,7 +241,9 @@ def to_markdown(report: Report) -> str:
     m = report.machine
     out = ["# mq bench", "",
            f"Machine: {machine_line(m)}. Run {m.get('date_utc')}"
-           + (f", commit {m['git_commit']}" if m.get("git_commit") else "") + ".", "",
+           + (f", commit {m['git_commit']}" if m.get("git_commit") else "")
+           + (f", mq nodes with busy_poll={report.config['busy_poll']}"
+              if report.config.get("busy_poll") is not None else "") + ".", "",
            ("Round trip: A sends a tensor, B echoes it (recv then send), A times send -> recv. "
             "oneway: B answers a tiny ack instead, times send -> ack; its note also gives one way "
             "proper, \"one way (arrival)\": B's clock when its recv returned minus A's send start "

@@ -354,6 +354,8 @@ class _MqEndpoint(_Endpoint):
 
         if self.mode == "stream" and self.mq_type == "nng":
             options["batch_window"] = STREAM_BATCH_WINDOW  # what a streaming user turns on
+        if self.spec.get("busy_poll") is not None:
+            options["busy_poll"] = self.spec["busy_poll"]
         q = mq.create(self.mq_type, self.node_id, {"bench"}, timeout=CONNECT_TIMEOUT_S, **options)
         if self.mode == "fanout" and self.role == "B":
             q.subscribe("bench")  # before joining: the handshake carries it

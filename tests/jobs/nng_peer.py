@@ -1,6 +1,7 @@
 """A standalone nng node for tests: `python -m tests.jobs.nng_peer NODE_ID ATTACH_ADDR MODE`.
 
-Modes: ``hang`` serves and sleeps; ``stall`` never reads "work" with a 2-message queue (its
+Modes: ``hang`` serves and sleeps; ``pong`` answers each "ping" message from ``recv()`` with a
+"pong" of the same payload after ``payload["delay"]`` seconds; ``stall`` never reads "work" with a 2-message queue (its
 senders block); ``small`` accepts frames of at most 1 MiB; ``count`` reads nothing for a
 second, then takes ``MQ_TEST_COUNT`` "work" messages through a 2-message queue (a batch holds more) and sends node 0 what arrived: their
 counters in order, and how many came batched (several frames to an NNG message).
@@ -31,10 +32,16 @@ def main() -> None:
         q.on("echo", lambda x: x)
         q.on("slow", lambda x: time.sleep(60))
         q.subscribe("work")
+        q.subscribe("ping")
         q.wait_for_peers(1, timeout=20)
         print("ready", flush=True)
         if mode == "count":
             count(q, int(os.environ["MQ_TEST_COUNT"]))
+        if mode == "pong":
+            while True:
+                msg = q.recv(timeout=600)
+                time.sleep(msg.payload["delay"])
+                q.send(0, "pong", msg.payload)
         time.sleep(600)  # the test stops or SIGKILLs us
 
 
