@@ -1046,18 +1046,18 @@ class MQ:
         try:
             if env.kind in _HANDSHAKE:
                 {HELLO: self._on_hello, HELLO_ACK: self._on_ack, LINK: self._on_link}[env.kind](env, link)
-            elif (peer := self._admit(env, link)) is None:
-                pass  # refused and counted
-            elif self._peers[peer].lost:
+            elif self._links.get(link) != env.sender and self._admit(env, link) is None:
+                pass  # refused and counted (_admit says why; it admits what the first look did)
+            elif (p := self._peers[env.sender]).lost:
                 # It left (or went silent): answers to our own farewell still count; the rest
                 # of what was in flight is dropped quietly, as the sender was told (PeerLost).
                 if env.kind in (REP_OK, REP_ERR):
                     self._on_reply(env)
                 else:
                     log.debug("node %d: dropped a %s from node %d, which left", self.node_id,
-                              KIND_NAMES[env.kind], peer)
+                              KIND_NAMES[env.kind], env.sender)
             else:  # the queue's byte bound counts inline bytes (the pool bounds shared ones)
-                self._deliver(env, sum(buffer_nbytes(b) for b in buffers) if shared else env.nbytes)
+                self._deliver(env, p, sum(buffer_nbytes(b) for b in buffers) if shared else env.nbytes)
         except ProtocolError as exc:
             self.on_dropped(str(exc))
         except Exception:
@@ -1191,15 +1191,13 @@ class MQ:
         if peer.reader is not None:
             peer.reader.close()
 
-    def _deliver(self, env: Envelope, nbytes: int = 0) -> None:
-        """Route one decoded frame of an authenticated peer. Runs on the transport's I/O
-        thread: never runs user code."""
+    def _deliver(self, env: Envelope, peer: Peer, nbytes: int = 0) -> None:
+        """Route one decoded frame of ``peer`` (authenticated, its sender). Runs on the
+        transport's I/O thread: never runs user code."""
         self._stats.received += 1
-        peer = self._peers.get(env.sender)
-        if peer is not None:
-            peer.last_seen = time.monotonic()
-            if env.kind in _COUNTED:
-                peer.rx += 1
+        peer.last_seen = time.monotonic()
+        if env.kind in _COUNTED:
+            peer.rx += 1
         if env.kind == MSG:
             self._metrics.received(env.topic, env.nbytes)
             msg = Message(env.topic, env.payload, env.sender, env.sent_at)
@@ -1621,7 +1619,8 @@ class BoundedQueue:
         if self._waiting:
             with self._space:
                 self._space.notify()
-        self._unbytes(nbytes)
+        if nbytes >= self.BIG:
+            self._unbytes(nbytes)
         return item
 
     def _unbytes(self, nbytes: int) -> None:

@@ -78,5 +78,11 @@ class BusyPoll:
         self._learn(time.perf_counter() - start)
         return found
 
+    def poll(self, poll: Callable[[int], Any], ms: int) -> Any:
+        """:meth:`wait` for ``select.poll().poll``: its events within ``ms`` milliseconds."""
+        if not self.window:
+            return poll(ms)
+        return poll(0) or self.wait(lambda: poll(0), lambda: poll(ms))
+
     def _learn(self, waited: float) -> None:
         self.typical += (waited - self.typical) * _WEIGHT

@@ -545,18 +545,18 @@ class NngTransport(Transport):
         try:
             # The I/O thread may hold the token while it delivers a batch into our full queue:
             # look at the queue between short waits, or we would wait on each other.
-            deadline = time.monotonic() + timeout
-            while not self._read_token.acquire(timeout=_CALLER_GRACE_S):
-                if ready() or time.monotonic() >= deadline:
-                    return True
+            if not self._read_token.acquire(False):
+                deadline = time.monotonic() + timeout
+                while not self._read_token.acquire(timeout=_CALLER_GRACE_S):
+                    if ready() or time.monotonic() >= deadline:
+                        return True
             try:
                 if ready():  # the I/O thread delivered what the caller waits for meanwhile
                     return True
                 if self._listeners:
                     # Several sources: wait on all of them at once, in this thread.
                     ms = max(1, min(500, int(timeout * 1000)))
-                    poll = self._poller(self._recv_fd).poll
-                    events = self.busy_poll.wait(lambda: poll(0), lambda: poll(ms))
+                    events = self.busy_poll.poll(self._poller(self._recv_fd).poll, ms)
                     if self._state != "listening":
                         raise ClosedError("the queue was stopped during recv()")
                     self._serve(events, self._recv_fd, 1)

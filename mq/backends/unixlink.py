@@ -114,7 +114,7 @@ class Inbound(Receiver):
         while True:
             buf = self._buf
             if buf is None:
-                n = self._recv([self._scratch])
+                n = self._datagram([self._scratch], DATAGRAM)
                 if n is None:
                     return None
                 if n < _PREFIX.size:
@@ -134,7 +134,7 @@ class Inbound(Receiver):
                 buf[:first] = memoryview(self._scratch)[_PREFIX.size:n]
                 self._filled = first
             want = min(DATAGRAM - 1, len(buf) - self._filled)
-            n = self._recv([self._tag, memoryview(buf)[self._filled:self._filled + want]])
+            n = self._datagram([self._tag, memoryview(buf)[self._filled:self._filled + want]], 1 + want)
             if n is None:
                 return None
             tag = self._tag[0]
@@ -149,11 +149,11 @@ class Inbound(Receiver):
                 self._buf = None
                 return buf
 
-    def _recv(self, buffers: list[Any], flags: int = socket.MSG_TRUNC) -> int | None:
-        """One datagram into ``buffers``: its real length (MSG_TRUNC shows one longer than the
-        room given), or None when none waits."""
-        n = super()._recv(buffers, flags)
-        if n is not None and n > (room := sum(len(b) for b in buffers)):
+    def _datagram(self, buffers: list[Any], room: int) -> int | None:
+        """One datagram into ``buffers`` (``room`` bytes in all): its real length (MSG_TRUNC
+        shows one longer than the room given), or None when none waits."""
+        n = self._recv(buffers, socket.MSG_TRUNC)
+        if n is not None and n > room:
             raise ProtocolError(f"a {n}-byte datagram, longer than the {room} bytes due")
         return n
 
@@ -175,7 +175,7 @@ class Sender:
 
     def _hold(self, peer: int, timeout: float) -> None:
         """Take the link for one frame (release ``_lock`` after), or raise Timeout."""
-        if not self._lock.acquire(timeout=max(timeout, 0.0)):
+        if not self._lock.acquire(False) and not self._lock.acquire(timeout=max(timeout, 0.0)):
             raise Timeout(f"node {peer} did not take the message within {timeout:g}s: other threads' "
                           "frames to it are still going out; pass timeout= to wait longer")
 
@@ -230,6 +230,14 @@ class Outbound(Sender):
         frame.write_into(memoryview(buf)[_PREFIX.size:])
         self._hold(peer, timeout)
         try:
+            if len(buf) <= DATAGRAM and not self._abort_due:
+                try:  # the common small frame with room for it: one datagram at once
+                    self.sock.sendmsg((buf,))
+                    return
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    raise self._broken(exc) from None
             if self._abort_due:
                 self._send(peer, [_ABORT], deadline)
                 self._abort_due = False
