@@ -252,6 +252,9 @@ def _render(rep: dict[str, Any]) -> None:
         table.add_row("  channels", ", ".join(tp["options"]["_channels"]))
     pn = rep["pynng"]
     table.add_row("pynng", pn.get("version") or "[red]missing[/red]")
+    if pn.get("version"):
+        table.add_row("  waits", "recv()/call() poll up to 0.5 ms before sleeping while answers come "
+                                 "that fast (busy_poll=False, mq run --no-busy-poll: sleep at once)")
     tr = rep["trust"]
     if "error" not in tr:
         table.add_row("trust", f"joins authenticated; secret from {tr['secret']}; {tr['opt_out']}")

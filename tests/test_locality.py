@@ -368,6 +368,8 @@ def test_doctor_human_output_exits_0():
     assert result.exit_code == 0, result.output
     for title in ("container", "fork safety", "RDMA devices", "GPUs", "TensorPipe", "routes"):
         assert title in result.output
+    condensed = "".join(c for c in result.output if not c.isspace() and c != "│")  # rich wraps
+    assert "poll up to 0.5 ms before sleeping".replace(" ", "") in condensed  # nng's busy_poll
     rep = json.loads(runner.invoke(doctor.doctor, ["--json"]).output)
     if "shm" in rep["tensorpipe"].get("options", {}).get("_transports", []):
         # TensorPipe's same-host transport spins a core per process: doctor says how to avoid it
