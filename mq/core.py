@@ -1046,9 +1046,9 @@ class MQ:
         try:
             if env.kind in _HANDSHAKE:
                 {HELLO: self._on_hello, HELLO_ACK: self._on_ack, LINK: self._on_link}[env.kind](env, link)
-            elif self._links.get(link) != env.sender and self._admit(env, link) is None:
-                pass  # refused and counted (_admit says why; it admits what the first look did)
-            elif (p := self._peers[env.sender]).lost:
+            elif (peer := self._admit(env, link)) is None:
+                pass  # refused and counted
+            elif (p := self._peers[peer]).lost:
                 # It left (or went silent): answers to our own farewell still count; the rest
                 # of what was in flight is dropped quietly, as the sender was told (PeerLost).
                 if env.kind in (REP_OK, REP_ERR):

@@ -95,6 +95,15 @@ def test_parse_size_rejects(text):
 
 
 @pytest.mark.timeout(10)
+@pytest.mark.parametrize("bad", ["off", 1, 0.5])
+def test_bench_busy_poll_is_true_false_or_none(bad):
+    with pytest.raises(lib.ConfigError, match="busy_poll must be True, False or None"):
+        lib.BenchConfig(mq_types=["nng"], busy_poll=bad).validate()
+    for fine in (True, False, None):
+        lib.BenchConfig(mq_types=["nng"], busy_poll=fine).validate()
+
+
+@pytest.mark.timeout(10)
 def test_format_size_round_trips_the_default_sizes():
     labels = [lib.format_size(s) for s in lib.DEFAULT_SIZES]
     assert labels == ["1.25 KB", "20 KB", "1.25 MB", "10 MB", "40 MB", "640 MB", "1.25 GB"]

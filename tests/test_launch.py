@@ -276,6 +276,13 @@ def test_busy_poll_reaches_every_worker_and_only_when_asked(mq_type):
             plan(busy_poll=bad)
 
 
+@pytest.mark.parametrize("flag, window", [([], "0.0005"), (["--busy-poll"], "0.0005"), (["--no-busy-poll"], "0.0")])
+def test_mq_run_busy_poll_flags_reach_nng_workers(flag, window):
+    r = mq_cli("run", "--main", "tests.jobs.roles:waits", "-n", "2", "--mq-type", "nng", *flag)
+    assert r.returncode == 0, r.stderr
+    assert sorted(r.stdout.splitlines()) == [f"node {i} spins up to {window}" for i in (0, 1)]
+
+
 def test_plan_honours_platform_init_method_for_torchrpc():
     plan = make_plan("tests.jobs.roles:ok", platform="slurm", environ=SLURM_STEP, mq_type="torchrpc:cpu",
                      init_method="tcp://127.0.0.1:29999", check_network=False)

@@ -54,9 +54,16 @@ class BusyPoll:
         truthy within the spin, else of ``block()`` (the blocking wait)."""
         if not self.window:
             return block()
-        found = probe()
-        if found:
-            return found
+        return probe() or self._spin_then_block(probe, block)
+
+    def poll(self, poll: Callable[[int], Any], ms: int) -> Any:
+        """:meth:`wait` for ``select.poll().poll``: its events within ``ms`` milliseconds."""
+        if not self.window:
+            return poll(ms)
+        return poll(0) or self._spin_then_block(lambda: poll(0), lambda: poll(ms))
+
+    def _spin_then_block(self, probe: Callable[[], Any], block: Callable[[], Any]) -> Any:
+        """The wait after a first probe found nothing."""
         start = time.perf_counter()
         if self.typical < self.window:
             self.spun += 1
@@ -77,12 +84,6 @@ class BusyPoll:
         found = block()
         self._learn(time.perf_counter() - start)
         return found
-
-    def poll(self, poll: Callable[[int], Any], ms: int) -> Any:
-        """:meth:`wait` for ``select.poll().poll``: its events within ``ms`` milliseconds."""
-        if not self.window:
-            return poll(ms)
-        return poll(0) or self.wait(lambda: poll(0), lambda: poll(ms))
 
     def _learn(self, waited: float) -> None:
         self.typical += (waited - self.typical) * _WEIGHT

@@ -564,24 +564,21 @@ class NngTransport(Transport):
                 # A frame already waiting (a busy link) is taken without a timeout: a timed
                 # receive arms NNG's timer thread, which cost a stream ~40 us per frame.
                 msgp = ffi.new("nng_msg **")
-                answer = [lib.NNG_EAGAIN]
 
-                def taken() -> bool:  # a receive that does not wait; False while nothing waits
-                    answer[0] = lib.nng_recvmsg(sock.socket, msgp, lib.NNG_FLAG_NONBLOCK)
-                    return answer[0] != lib.NNG_EAGAIN
+                def taken() -> tuple[int] | None:  # a receive that does not wait; None: nothing waits
+                    code = lib.nng_recvmsg(sock.socket, msgp, lib.NNG_FLAG_NONBLOCK)
+                    return None if code == lib.NNG_EAGAIN else (code,)
 
-                def received() -> bool:
+                def received() -> tuple[int]:
                     # A power of two at most the time left: the option (a syscall-free but slow
                     # setter) keeps its value across calls; a wait cut short loops in recv().
                     ms = 1 << max(0, int(timeout * 1000)).bit_length() - 1 if timeout >= 0.001 else 1
                     if ms != self._recv_timeout_ms:
                         check_err(lib.nng_socket_set_ms(sock.socket, b"recv-timeout", ms))
                         self._recv_timeout_ms = ms
-                    answer[0] = lib.nng_recvmsg(sock.socket, msgp, 0)
-                    return True
+                    return (lib.nng_recvmsg(sock.socket, msgp, 0),)
 
-                self.busy_poll.wait(taken, received)
-                rv = answer[0]
+                (rv,) = self.busy_poll.wait(taken, received)
                 if rv == 0:
                     self._handle_frame(msgp[0])
                 elif rv == lib.NNG_ECLOSED:

@@ -230,14 +230,9 @@ class Outbound(Sender):
         frame.write_into(memoryview(buf)[_PREFIX.size:])
         self._hold(peer, timeout)
         try:
-            if len(buf) <= DATAGRAM and not self._abort_due:
-                try:  # the common small frame with room for it: one datagram at once
-                    self.sock.sendmsg((buf,))
-                    return
-                except BlockingIOError:
-                    pass
-                except OSError as exc:
-                    raise self._broken(exc) from None
+            if len(buf) <= DATAGRAM and not self._abort_due:  # the common small frame: one datagram
+                self._send(peer, [buf], deadline)
+                return
             if self._abort_due:
                 self._send(peer, [_ABORT], deadline)
                 self._abort_due = False

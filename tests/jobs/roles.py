@@ -19,6 +19,16 @@ def ok(ctx: mq.Context) -> None:
     barrier(ctx, "start")  # nobody leaves before everyone has met everyone
 
 
+def waits(ctx: mq.Context) -> None:
+    """Says how this nng node waits: the longest spin of its busy polling (0.0: never)."""
+    from mq.testing import BARRIER, _BarrierBox, barrier
+
+    ctx.mq.subscribe(BARRIER, _BarrierBox.get(ctx.mq).arrive)
+    ctx.mq.wait_for_peers(len(ctx.node_ids) - 1, timeout=20)
+    say(f"node {ctx.node_id} spins up to {ctx.mq.transport.busy_poll.window}")
+    barrier(ctx, "start")  # nobody leaves before everyone has met everyone
+
+
 def crash_one(ctx: mq.Context) -> None:
     """Node 1 raises; the others would run for a minute if nobody stopped them."""
     _record_pid(ctx)
