@@ -34,7 +34,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import msgpack
 import numpy as np
 
-from mq.errors import EncodeError, ProtocolError
+from mq.errors import EncodeError, Oversized, ProtocolError
 
 VERSION = 2
 ALIGN = 64
@@ -52,6 +52,13 @@ _EXT_TUPLE, _EXT_NDARRAY, _EXT_TENSOR, _EXT_PICKLE, _EXT_BYTES = 1, 2, 3, 4, 5
 
 # bytes values at least this large go out of band too (no copy into the msgpack body).
 _OOB_BYTES_MIN = 64 * 1024
+
+#: Tuples nested deeper than this are refused both ways: each level is a msgpack call of its
+#: own, with ~41 KB of C stack (a few hundred levels overflow a thread's 8 MiB stack).
+MAX_DEPTH = 32
+#: Arrays, tensors and large bytes values one frame may carry (a large model's state_dict has a
+#: few thousand); the receiver refuses a header listing more before making a view of any.
+MAX_BUFFERS = 1 << 16
 
 # torch is imported on first use: a process that never touches a tensor (a collector stepping
 # numpy environments, `mq doctor`) does not pay its ~1 s import.
@@ -162,10 +169,18 @@ class Codec:
         if fast is not None:
             return fast
         buffers: list[Any] = []
+        depth = [0]  # tuples being packed inside each other (see MAX_DEPTH)
 
         def default(obj: Any) -> msgpack.ExtType:
             if isinstance(obj, tuple):
-                return msgpack.ExtType(_EXT_TUPLE, packb(list(obj)))
+                if depth[0] >= MAX_DEPTH:
+                    raise EncodeError(f"cannot send tuples nested more than {MAX_DEPTH} deep: "
+                                      "use lists for deep structures")
+                depth[0] += 1
+                try:
+                    return msgpack.ExtType(_EXT_TUPLE, packb(list(obj)))
+                finally:
+                    depth[0] -= 1
             if isinstance(obj, np.ndarray):
                 return self._pack_ndarray(obj, buffers)
             if _is_tensor(obj):
@@ -203,6 +218,9 @@ class Codec:
                 lift[0] = True
                 buffers.clear()
                 tree = packb(payload)
+            if len(buffers) > MAX_BUFFERS:
+                raise EncodeError(f"cannot send {len(buffers)} arrays/tensors/large bytes values in "
+                                  f"one message (at most {MAX_BUFFERS}): split it, or stack them")
             return tree, buffers
         except (TypeError, ValueError, OverflowError) as exc:
             if isinstance(exc, EncodeError):
@@ -255,62 +273,22 @@ class Codec:
             out = known(buffers[0])
             if out is not None:
                 return out
-        if not buffers:
-            try:
-                return msgpack.unpackb(tree, ext_hook=self._ext_no_buffers, raw=False,
-                                       strict_map_key=False, use_list=True)
-            except ProtocolError:
-                raise
-            except Exception as exc:
-                raise ProtocolError(f"malformed payload: {type(exc).__name__}: {exc}") from exc
-
-        def ext_hook(code: int, data: bytes) -> Any:
-            if code == _EXT_TUPLE:
-                return tuple(unpackb(data))
-            if code == _EXT_NDARRAY:
-                return self._unpack_ndarray(data, buffers, shared)
-            if code == _EXT_TENSOR:
-                return self._unpack_tensor(data, buffers)
-            if code == _EXT_BYTES:
-                return bytes(_buffer_at(buffers, msgpack.unpackb(data)))
-            if code == _EXT_PICKLE:
-                if not self.allow_pickle:
-                    raise ProtocolError(
-                        "received a pickled value but this node does not unpickle network data; "
-                        "create it with allow_pickle=True if the sender is trusted"
-                    )
-                return pickle.loads(data)
-            raise ProtocolError(f"unknown extension code {code} in payload")
-
-        def unpackb(data: bytes) -> Any:
-            return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False,
-                                   use_list=True)
-
+        # Without buffers, the ext hook only runs for tuples and pickles: no reader to make.
+        reader = _TreeReader(self, buffers, shared) if buffers else self
         try:
-            out = unpackb(tree)
+            out = msgpack.unpackb(tree, ext_hook=reader.ext_hook, raw=False, strict_map_key=False,
+                                  use_list=True)
         except ProtocolError:
             raise
         except Exception as exc:  # any malformed tree is a protocol error, never a crash
             raise ProtocolError(f"malformed payload: {type(exc).__name__}: {exc}") from exc
-        finally:
-            del ext_hook, unpackb  # break the closure cycle holding the received frame (see pack)
         if len(buffers) == 1 and not shared:
             _remember_one_buffer_tree(tree, out)
         return out
 
-    def _ext_no_buffers(self, code: int, data: bytes) -> Any:
-        """ext_hook of a frame without buffers: only tuples and (opted-in) pickles can occur."""
-        if code == _EXT_TUPLE:
-            return tuple(msgpack.unpackb(data, ext_hook=self._ext_no_buffers, raw=False,
-                                         strict_map_key=False, use_list=True))
-        if code == _EXT_PICKLE:
-            if not self.allow_pickle:
-                raise ProtocolError("received a pickled value but this node does not unpickle network "
-                                    "data; create it with allow_pickle=True if the sender is trusted")
-            return pickle.loads(data)
-        if code in (_EXT_NDARRAY, _EXT_TENSOR, _EXT_BYTES):
-            raise ProtocolError("payload refers to a buffer, the frame has none")
-        raise ProtocolError(f"unknown extension code {code} in payload")
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        """The ext hook of a frame without buffers: tuples and (opted-in) pickles only."""
+        return _TreeReader(self, (), _NOTHING_SHARED).ext_hook(code, data)
 
     def _unpack_ndarray(self, data: bytes, buffers: Sequence[Any], shared: Any) -> np.ndarray:
         meta = _NDARRAY_META.get(data)
@@ -379,7 +357,7 @@ class Codec:
         except Exception as exc:
             raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
         check_envelope(version, kind, topic, sender, corr, tree)
-        if not isinstance(sizes, list) or len(sizes) != len(buffers):
+        if type(sizes) is not list or len(sizes) != len(buffers) or len(sizes) > MAX_BUFFERS:
             raise ProtocolError(f"envelope lists {sizes!r} buffer sizes, the frame has {len(buffers)}")
         shared: Any = _NOTHING_SHARED
         if descs is not None:
@@ -406,12 +384,50 @@ class Codec:
         """A frame in the contiguous layout -> :class:`Envelope` (no shm descriptors);
         :class:`ProtocolError` if it is malformed or larger than ``max_frame_bytes``."""
         if memoryview(frame).nbytes > self.max_frame_bytes:
-            raise ProtocolError(f"frame of {memoryview(frame).nbytes} bytes exceeds "
+            raise Oversized(f"frame of {memoryview(frame).nbytes} bytes exceeds "
                                 f"max_frame_bytes={self.max_frame_bytes}")
         return self.decode(*split(frame))
 
 
 _NOTHING_SHARED: frozenset[int] = frozenset()
+_ENVELOPE_FIELDS = 10  # VERSION, kind, topic, sender, seq, corr, tree, sizes, descs, sent_at
+
+
+class _TreeReader:
+    """Turns one frame's payload tree back into objects: the ext hook msgpack calls for every
+    extension value, with the frame's buffers at hand and the tuple nesting counted, so a
+    hostile tree cannot recurse into the C stack (each level is a msgpack call of its own)."""
+
+    __slots__ = ("codec", "buffers", "shared", "depth")
+
+    def __init__(self, codec: Codec, buffers: Sequence[Any], shared: Any):
+        self.codec = codec
+        self.buffers = buffers
+        self.shared = shared
+        self.depth = 0
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == _EXT_TUPLE:
+            if self.depth >= MAX_DEPTH:
+                raise ProtocolError(f"payload nests tuples more than {MAX_DEPTH} deep")
+            self.depth += 1
+            try:
+                return tuple(msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False,
+                                             strict_map_key=False, use_list=True))
+            finally:
+                self.depth -= 1
+        if code == _EXT_NDARRAY:
+            return self.codec._unpack_ndarray(data, self.buffers, self.shared)
+        if code == _EXT_TENSOR:
+            return self.codec._unpack_tensor(data, self.buffers)
+        if code == _EXT_BYTES:
+            return bytes(_buffer_at(self.buffers, msgpack.unpackb(data)))
+        if code == _EXT_PICKLE:
+            if not self.codec.allow_pickle:
+                raise ProtocolError("received a pickled value but this node does not unpickle network "
+                                    "data; create it with allow_pickle=True if the sender is trusted")
+            return pickle.loads(data)
+        raise ProtocolError(f"unknown extension code {code} in payload")
 
 
 def _unpack_head(header: Any) -> Any:
@@ -449,11 +465,13 @@ def _split_at(view: memoryview, start: int) -> tuple[list[Any], list[memoryview]
         raise ProtocolError(f"header of {hlen} bytes overruns a {end - start}-byte frame")
     try:
         head = _unpack_head(view[start + 4:start + 4 + hlen])
-        sizes = head[7]
     except Exception as exc:
         raise ProtocolError(f"malformed envelope: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(sizes, list):
-        raise ProtocolError("envelope buffer sizes are not a list")
+    if type(head) is not list or len(head) != _ENVELOPE_FIELDS:
+        raise ProtocolError(f"an envelope must be a list of {_ENVELOPE_FIELDS} fields")
+    sizes = head[7]
+    if type(sizes) is not list or len(sizes) > MAX_BUFFERS:
+        raise ProtocolError(f"envelope buffer sizes are not a list of at most {MAX_BUFFERS}")
     buffers, pos = [], start + ((4 + hlen + ALIGN - 1) & -ALIGN)
     for n in sizes:
         if not (type(n) is int and 0 <= n and pos + n <= end):
@@ -621,8 +639,8 @@ def _common_buffer(v: Any, vt: type, index: int, keep_tensors: bool, buffers: li
 def _remember_one_buffer_tree(tree: bytes, out: Any) -> None:
     """After a one-buffer frame decoded the long way: if its payload was a plain CPU tensor or
     a writable array, remember how to decode that exact tree again from its buffer alone."""
-    if tree in _ONE_BUFFER_TREES:
-        return
+    if tree in _ONE_BUFFER_TREES or not _holds_bytes(out):
+        return  # (an empty buffer goes the long way: torch.frombuffer refuses zero bytes)
     if type(out) is np.ndarray and out.flags.writeable and out.ndim:
         dtype, shape, nbytes = out.dtype, out.shape, out.nbytes
 
@@ -649,6 +667,11 @@ def _remember_one_buffer_tree(tree: bytes, out: Any) -> None:
     if len(_ONE_BUFFER_TREES) >= _TREES_MAX:
         _ONE_BUFFER_TREES.clear()
     _ONE_BUFFER_TREES[tree] = decode
+
+
+def _holds_bytes(out: Any) -> bool:
+    return (type(out) is np.ndarray and out.nbytes > 0) or (
+        torch is not None and type(out) is torch.Tensor and out.numel() > 0)
 
 
 def _flat_bytes(buf: Any, nbytes: int) -> bool:

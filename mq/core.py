@@ -38,12 +38,14 @@ from typing import Any, Callable, Iterable
 
 from mq import auth as _auth
 from mq import fanout as _fanout
+from mq import handshake as _handshake
 from mq import metrics as _metrics
 from mq import shm as _shm
 from mq.codec import (BYE, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELAY, RELEASE, REP_ERR,
                       REP_OK, REQ, SUBS, Codec, Envelope, Frame, buffer_nbytes)
 from mq.errors import ClosedError, ConfigError, EncodeError, MQError, PeerLost, ProtocolError, RemoteError, Timeout
 from mq.locality import Locality, local
+from mq.ratelog import RateLimitedLog
 from mq.routing import Route, select_route
 from mq.transport import Receipt, Transport
 
@@ -179,9 +181,13 @@ class MQ:
         self.heartbeat = float(heartbeat)
         self.peer_timeout = float(peer_timeout)
         self._links: dict[Any, int] = {}  # authenticated link -> its peer's node id
+        self.trusts = self._links.__contains__  # for the transport (Events.trusts), per frame
         self._greetings: dict[str, tuple[bytes, Any, float]] = {}  # token -> (our nonce, target, when)
+        self._refusals_sent: dict[int, float] = {}  # node id -> when we last told a duplicate of it
+        self._refusal: ConfigError | None = None  # a member refused our join, and said why
         self._pending: dict[tuple[int, str], tuple[bytes, Peer, float]] = {}  # joins awaiting LINK
-        self._last_reject_log = 0.0
+        self._hostile_log = RateLimitedLog(log, f"node {node_id}: refused or dropped")
+        self._oversized = 0  # frames over a size limit this node itself dropped
         self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
         self._beat: threading.Thread | None = None
         self._targets: list[Any] = []  # what the transport told us to greet
@@ -540,7 +546,7 @@ class MQ:
         try:
             env = self.codec.decode(*reply)
         except ProtocolError as exc:
-            self.on_dropped(str(exc))
+            self._dropped(exc)
             raise
         if env.kind not in (REP_OK, REP_ERR) or env.corr != frame.head[5] or env.sender != peer:
             self.on_dropped(f"node {peer} answered a request with a {KIND_NAMES[env.kind]} frame "
@@ -741,7 +747,11 @@ class MQ:
 
     def stats(self) -> Stats:
         if self._pool is not None:
-            self._stats.shm = dict(self._pool.stats)
+            readers = [p.reader for p in self._peer_list() if p.reader is not None]
+            self._stats.shm = dict(self._pool.stats,
+                                   peers_mapped_bytes=sum(r.mapped_bytes for r in readers),
+                                   descriptors_refused=sum(r.refused for r in readers))
+        self._stats.dropped_oversized = self._oversized + self.transport.native_drops().get("oversized", 0)
         return self._stats
 
     # ------------------------------------------------------------------ joining
@@ -769,31 +779,23 @@ class MQ:
             self._greetings[token] = (nonce, target, time.monotonic())
         self.transport.greet(target, self._encode(HELLO, "", self._hello_payload(token, nonce)), token)
 
-    def _check_info(self, env: Envelope) -> dict[str, Any]:
-        info = env.payload
-        if not (isinstance(info, dict) and type(info.get("node_id")) is int and info["node_id"] >= 0
-                and isinstance(info.get("incarnation"), str) and isinstance(info.get("nonce"), bytes)
-                and info["node_id"] == env.sender):
-            raise ProtocolError(f"malformed {KIND_NAMES[env.kind]} claiming node {env.sender!r}")
-        return info
-
     def _on_hello(self, env: Envelope, link: Any) -> None:
         """A node wants to join: answer with our nonce and proof; it is not a peer yet."""
-        info = self._check_info(env)
+        info = env.payload  # checked against its schema (mq.handshake)
         peer_id = info["node_id"]
-        if peer_id == self.node_id:
-            if info["incarnation"] != self.incarnation:
-                self._reject("duplicate_id", f"another process uses this node's id {peer_id} "
-                             f"(addresses {info.get('addresses')}): give every node a unique node id")
-            return
-        taken = self._taken(peer_id, info)
+        if peer_id == self.node_id and info["incarnation"] == self.incarnation:
+            return  # our own greeting (a node attached to itself)
         nonce = _auth.nonce()
-        ack = self._hello_payload(info.get("token", ""), nonce)
+        ack = self._hello_payload(info["token"], nonce)
         if self._secret is not None:
             ack["proof"] = self._secret.proof("ack", nonce, info["nonce"], self.node_id, peer_id,
                                               self.incarnation)
+        taken = self._taken(peer_id, info)
         if taken:
-            return  # never touch the live node's link; the newcomer's joins time out, named
+            # Never touch the live node's link; tell the newcomer why instead of letting its
+            # joins time out (signed like any answer: a stranger cannot forge the refusal).
+            self._tell_refused(peer_id, info, dict(ack, error=taken))
+            raise _handshake.Refused("duplicate_id", taken)
         peer = self._new_peer(info)
         ack["read_ok"] = peer.reader is not None
         with self._lock:
@@ -854,39 +856,57 @@ class MQ:
 
     def _taken(self, peer_id: int, info: dict[str, Any]) -> str | None:
         """Why a HELLO for ``peer_id`` must be refused: its id belongs to a live process."""
-        old = self._peers.get(peer_id)
-        if old is None or old.lost or old.info.get("incarnation") == info["incarnation"]:
-            return None
-        msg = (f"node id {peer_id} is taken by a live process (node {self.node_id} sees it at "
-               f"{old.info.get('addresses')}): give every node a unique node id")
-        self._reject("duplicate_id", msg)
-        return msg
+        if peer_id == self.node_id:
+            where = self.transport.addresses
+        else:
+            old = self._peers.get(peer_id)
+            if old is None or old.lost or old.info.get("incarnation") == info["incarnation"]:
+                return None
+            where = old.info.get("addresses")
+        return (f"node id {peer_id} is taken by a live process (node {self.node_id} sees it at "
+                f"{where}): give every node a unique node id")
+
+    def _tell_refused(self, peer_id: int, info: dict[str, Any], answer: dict[str, Any]) -> None:
+        """Send a node whose HELLO we refuse a HELLO_ACK saying why, at most once per
+        _REGREET_S for each id (the HELLO is unproven: its address may be anyone's)."""
+        target = self.transport.reply_target(info)
+        now = time.monotonic()
+        with self._lock:
+            if target is None or now - self._refusals_sent.get(peer_id, -_REGREET_S) < _REGREET_S:
+                return
+            self._refusals_sent[peer_id] = now
+        try:
+            self.transport.greet(target, self._encode(HELLO_ACK, "", answer), info["token"])
+        except (MQError, OSError) as exc:
+            log.debug("node %d: could not tell node %d it was refused: %s", self.node_id, peer_id, exc)
 
     def _on_ack(self, env: Envelope, link: Any) -> None:
         """Our HELLO was answered: check the proof, then the responder is a peer."""
-        info = self._check_info(env)
+        info = env.payload  # checked against its schema (mq.handshake)
         peer_id = info["node_id"]
         with self._lock:
-            greeting = self._greetings.get(info.get("token"))
+            greeting = self._greetings.get(info["token"])
         if greeting is None:
-            self._reject("unsolicited_ack", f"a HELLO_ACK claiming node {peer_id} answers no HELLO of ours")
-            return
-        if info.get("error"):
-            self._reject("refused", f"node {peer_id} refused us: {info['error']}")
-            log.error("node %d: %s", self.node_id, info["error"])
-            return
+            raise _handshake.Refused("unsolicited_ack", f"a HELLO_ACK claiming node {peer_id} answers "
+                                     "no HELLO of ours")
         mine = greeting[0]
         if self._secret is not None and not self._secret.check(
-                info.get("proof"), "ack", info["nonce"], mine, peer_id, self.node_id, info["incarnation"]):
-            self._reject("bad_proof", f"a HELLO_ACK claiming node {peer_id} failed authentication "
-                         "(wrong job secret, or not a member of this job)")
-            return
+                info["proof"], "ack", info["nonce"], mine, peer_id, self.node_id, info["incarnation"]):
+            raise _handshake.Refused("bad_proof", f"a HELLO_ACK claiming node {peer_id} failed "
+                                     "authentication (wrong job secret, or not a member of this job)")
+        if info["error"]:  # a member refused us, and said why: the next wait raises it
+            with self._peers_changed:
+                self._refusal = ConfigError(f"node {peer_id} refused node {self.node_id}: {info['error']}")
+                self._peers_changed.notify_all()
+            log.error("node %d: %s", self.node_id, self._refusal)
+            raise _handshake.Refused("refused", str(self._refusal))
         with self._lock:
-            self._greetings.pop(info.get("token"), None)
+            self._greetings.pop(info["token"], None)
         old = self._peers.get(peer_id)
         same = old is not None and not old.lost and old.info.get("incarnation") == info["incarnation"]
-        if not same and self._taken(peer_id, info):
-            return
+        taken = None if same else self._taken(peer_id, info)
+        if taken:
+            raise _handshake.Refused("duplicate_id", taken)
         peer = old if same else self._new_peer(info)
         self._bind(link, peer_id)
         if not same:
@@ -900,39 +920,36 @@ class MQ:
         self._send_raw(peer_id, self._encode(LINK, "", link_msg), self.timeout)
         if not same:
             self._peer_joined(peer)
-        self._on_link_verdict(peer_id, info.get("read_ok"))
+        self._on_link_verdict(peer_id, info["read_ok"])
 
     def _on_link(self, env: Envelope, link: Any) -> None:
         """The initiator's proof: it joins as a peer (or, if it already has, a verdict update)."""
-        msg = env.payload
-        if not (isinstance(msg, dict) and msg.get("node_id") == env.sender
-                and isinstance(msg.get("incarnation"), str)):
-            raise ProtocolError(f"malformed LINK claiming node {env.sender!r}")
+        msg = env.payload  # checked against its schema (mq.handshake)
         peer_id = env.sender
         with self._lock:
             entry = self._pending.get((peer_id, msg["incarnation"]))
         if entry is None:
-            if self._links.get(link) == peer_id:  # a second handshake on a live link
-                self._on_link_verdict(peer_id, msg.get("read_ok"))
-            else:
-                self._reject("unsolicited_link", f"a LINK claiming node {peer_id} answers no join in progress")
+            if self._links.get(link) != peer_id:
+                raise _handshake.Refused("unsolicited_link", f"a LINK claiming node {peer_id} answers "
+                                         "no join in progress")
+            self._on_link_verdict(peer_id, msg["read_ok"])  # a second handshake on a live link
             return
         mine, peer, _t = entry
         if self._secret is not None and not self._secret.check(
-                msg.get("proof"), "link", peer.info["nonce"], mine, peer_id, self.node_id, msg["incarnation"]):
-            self._reject("bad_proof", f"a LINK claiming node {peer_id} failed authentication "
-                         "(wrong job secret, or not a member of this job)")
-            return
+                msg["proof"], "link", peer.info["nonce"], mine, peer_id, self.node_id, msg["incarnation"]):
+            raise _handshake.Refused("bad_proof", f"a LINK claiming node {peer_id} failed authentication "
+                                     "(wrong job secret, or not a member of this job)")
         with self._lock:
             self._pending.pop((peer_id, msg["incarnation"]), None)
-        if self._taken(peer_id, peer.info):
-            return
+        taken = self._taken(peer_id, peer.info)
+        if taken:
+            raise _handshake.Refused("duplicate_id", taken)
         self._bind(link, peer_id)
         self.transport.connect(peer_id, peer.info, peer.route)
         old = self._peers.get(peer_id)
         if old is None or old.lost or old.info.get("incarnation") != peer.info.get("incarnation"):
             self._peer_joined(peer)
-        self._on_link_verdict(peer_id, msg.get("read_ok"))
+        self._on_link_verdict(peer_id, msg["read_ok"])
 
     def _bind(self, link: Any, peer_id: int) -> None:
         with self._lock:
@@ -952,7 +969,10 @@ class MQ:
         if (self._pool is not None and self.transport.shm_ok and info.get("shm") is not None
                 and not same_process):
             try:
-                reader = _shm.PoolReader(peer_id, info["shm"], self._releaser_for(peer_id))
+                # We map at most what its pool announced, and at most what ours may hold (or
+                # the default, should ours be smaller than a legitimately larger peer's).
+                reader = _shm.PoolReader(peer_id, info["shm"], self._releaser_for(peer_id),
+                                         max_bytes=max(self._pool.max_bytes, _shm.DEFAULT_POOL_BYTES))
                 why_not = reader.probe()
             except ProtocolError as exc:
                 why_not = str(exc)
@@ -1003,13 +1023,9 @@ class MQ:
             log.warning("node %d: could not answer the handshake of node %d: %s", self.node_id, peer, exc)
 
     def _reject(self, cause: str, why: str) -> None:
-        """Count a refused frame or join, and log it (at most once a second)."""
+        """Count a refused frame or join by cause, and log it (rate-limited)."""
         self._stats.rejected[cause] = self._stats.rejected.get(cause, 0) + 1
-        now = time.monotonic()
-        if now - self._last_reject_log >= 1.0:
-            self._last_reject_log = now
-            log.warning("node %d: refused: %s (%d refused so far: %s)", self.node_id, why,
-                        sum(self._stats.rejected.values()), self._stats.rejected)
+        self._hostile_log(cause, f"node {self.node_id}: refused: {why}")
 
 
     def _releaser_for(self, peer: int) -> Callable[[int, int], None]:
@@ -1029,23 +1045,34 @@ class MQ:
                     log.debug("node %d: release to node %d: %s", self.node_id, peer, exc)
 
     # ------------------------------------------------------------------ events from the transport
-    def on_frame(self, header: Any, buffers: list[Any], link: Any) -> None:
-        """A frame arrived on ``link`` (the transport's I/O thread): decode and route it.
-        Only handshake frames are taken from a link that has not proven membership; a frame's
-        sender is its link's peer. A malformed or refused frame is dropped and counted."""
-        shared = type(header) is not list or header[8] is not None  # parsed: no descriptors
+    def on_handshake(self, frame: Any, link: Any) -> bool:
+        """A frame from a link that has not authenticated (the transport's I/O thread): only the
+        handshake parser reads it (:mod:`mq.handshake`). False when it was refused (counted):
+        the transport closes the link."""
         try:
-            env = self.codec.decode(header, buffers, self._resolve_for(link) if shared else None)
+            kind, sender, payload = _handshake.parse(frame)
+            self._on_handshake_frame(Envelope(kind, "", sender, 0, 0, payload), link)
         except ProtocolError as exc:
-            self.on_dropped(str(exc))
-            return
-        except Exception:
-            self._stats.dropped_malformed += 1
-            log.exception("node %d: error decoding a frame", self.node_id)
-            return
+            self._dropped(exc)
+            return False
+        except Exception as exc:  # a bug of ours: it must not stop the I/O thread either
+            self._failed(exc)
+            return False
+        return True
+
+    def _on_handshake_frame(self, env: Envelope, link: Any) -> None:
+        {HELLO: self._on_hello, HELLO_ACK: self._on_ack, LINK: self._on_link}[env.kind](env, link)
+
+    def on_frame(self, header: Any, buffers: list[Any], link: Any) -> None:
+        """A frame arrived on a trusted ``link`` (the transport's I/O thread): decode and route
+        it. A frame's sender is its link's peer. A malformed or refused frame is dropped and
+        counted; nothing a peer sends raises out of here."""
         try:
-            if env.kind in _HANDSHAKE:
-                {HELLO: self._on_hello, HELLO_ACK: self._on_ack, LINK: self._on_link}[env.kind](env, link)
+            shared = type(header) is not list or header[8] is not None  # parsed: no descriptors
+            env = self.codec.decode(header, buffers, self._resolve_for(link) if shared else None)
+            if env.kind in _HANDSHAKE:  # a peer greeting again: held to the same schema
+                self._on_handshake_frame(
+                    env._replace(payload=_handshake.check(env.kind, env.sender, env.payload)), link)
             elif (peer := self._admit(env, link)) is None:
                 pass  # refused and counted
             elif (p := self._peers[peer]).lost:
@@ -1059,10 +1086,9 @@ class MQ:
             else:  # the queue's byte bound counts inline bytes (the pool bounds shared ones)
                 self._deliver(env, p, sum(buffer_nbytes(b) for b in buffers) if shared else env.nbytes)
         except ProtocolError as exc:
-            self.on_dropped(str(exc))
-        except Exception:
-            self._stats.dropped_malformed += 1
-            log.exception("node %d: error handling a frame", self.node_id)
+            self._dropped(exc)
+        except Exception as exc:  # a bug of ours: it must not stop the I/O thread either
+            self._failed(exc)
 
     def _admit(self, env: Envelope, link: Any) -> int | None:
         """The peer a (non-handshake) frame on ``link`` comes from: the authenticated peer of
@@ -1091,25 +1117,24 @@ class MQ:
         Raises:
             ProtocolError: the frame is malformed or refused (counted).
         """
+        if link not in self._links:
+            # Decode nothing a link sends before it joined. Its sender may still be joining
+            # (its LINK frame not handled yet): the request comes again as an ordinary frame,
+            # which the handshake parser refuses unless the join finished first.
+            return None
         try:
             env = self.codec.decode(header, buffers, self._resolve_for(link))
         except ProtocolError as exc:
-            self.on_dropped(str(exc))
+            self._dropped(exc)
             raise
         except Exception as exc:
-            self._stats.dropped_malformed += 1
-            log.exception("node %d: error decoding a request", self.node_id)
+            self._failed(exc)
             raise ProtocolError(f"malformed request: {type(exc).__name__}") from None
         if env.kind != REQ:
             self.on_dropped(f"a {KIND_NAMES[env.kind]} frame sent as a request")
             raise ProtocolError(f"a {KIND_NAMES[env.kind]} frame is not a request")
         if self._state != "listening":
             return None
-        if self._links.get(link) is None:
-            with self._lock:
-                joining = any(key[0] == env.sender for key in self._pending)
-            if joining:
-                return None
         peer = self._admit(env, link)
         if peer is None:
             raise ProtocolError(f"node {self.node_id} refused a request claiming node {env.sender}")
@@ -1133,9 +1158,25 @@ class MQ:
         if self._state == "listening":
             self._peer_lost(peer, why)
 
-    def on_dropped(self, why: str) -> None:
-        self._stats.dropped_malformed += 1
-        log.warning("node %d: dropped a malformed frame: %s", self.node_id, why)
+    def on_dropped(self, why: str, cause: str = "malformed") -> None:
+        if cause == "oversized":
+            self._oversized += 1
+        else:
+            self._stats.dropped_malformed += 1
+        self._hostile_log(cause, f"node {self.node_id}: dropped a {cause} frame: {why}")
+
+    def _dropped(self, exc: ProtocolError) -> None:
+        """Count a frame the boundary refused (by cause) or the decoder found malformed."""
+        if isinstance(exc, _handshake.Refused):
+            self._reject(exc.cause, str(exc))
+        else:
+            self.on_dropped(str(exc), exc.cause)
+
+    def _failed(self, exc: Exception) -> None:
+        """A frame raised what no frame should (a bug): dropped and counted like a malformed one."""
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        self.on_dropped(f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno}, a bug: "
+                        "please report it)" if where else f"{type(exc).__name__}: {exc}", "error")
 
     def _resolve_for(self, link: Any) -> Callable[[int, Any], memoryview]:
         def resolve(sender: int, desc: Any) -> memoryview:
@@ -1456,6 +1497,8 @@ class MQ:
         deadline = time.monotonic() + self._timeout(timeout)
         with self._peers_changed:
             while not ready():
+                if self._refusal is not None:
+                    raise self._refusal
                 if self._state != "listening":
                     raise ClosedError("the queue is not listening")
                 left = deadline - time.monotonic()

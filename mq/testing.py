@@ -205,6 +205,32 @@ def check_send_recv(ctx: mq.Context) -> Any:
     return "ok"
 
 
+def empty_payloads() -> list[Any]:
+    """Payloads with zero-size buffers, alone (the remembered-tree fast path after the first)
+    and beside a large one (the shm data path on a same-host route)."""
+    import torch
+
+    return [torch.empty(0, 4), torch.empty(0, dtype=torch.bfloat16), np.empty((0, 3), np.float32),
+            np.empty(0, np.uint8), {"obs": torch.empty(0, 2), "n": 0},
+            {"big": torch.ones(1 << 18), "none": torch.empty(0, 8), "arr": np.empty((2, 0))}]
+
+
+def check_empty_buffers(ctx: mq.Context) -> Any:
+    """Node 1 sends each empty payload three times; node 0 gets every one, intact."""
+    q = ctx.mq
+    if ctx.node_id == 1:
+        for payload in empty_payloads():
+            for _ in range(3):
+                q.send(0, "empty", payload)
+        return None
+    got = [q.recv(timeout=10).payload for _ in range(3 * len(empty_payloads()))]
+    for i, payload in enumerate(empty_payloads()):
+        for copy in got[3 * i:3 * i + 3]:
+            assert _same(payload, copy), f"payload {i} changed in transit: {copy!r}"
+    assert q.stats().dropped_malformed == 0, q.stats()
+    return "ok"
+
+
 def check_publish_filtering(ctx: mq.Context) -> Any:
     """Publish reaches subscribers of the topic only."""
     q = ctx.mq

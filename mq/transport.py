@@ -64,10 +64,22 @@ class Events(Protocol):
     max_frame_bytes: int
     secret: Any  # the job's mq.auth.Secret (None when insecure): sign what strangers could write
 
+    def trusts(self, link: Any) -> bool:
+        """Whether ``link`` (a hashable key naming a connection: an NNG pipe, a unix or tcp
+        link, an RPC rank) passed the handshake. Only then may the transport parse its frames
+        (``split``) and hand them to ``on_frame``; before, every frame goes whole to
+        ``on_handshake``, and a link reader allocates at most :data:`mq.handshake.MAX_FRAME`
+        bytes for one."""
+
+    def on_handshake(self, frame: Any, link: Any) -> bool:
+        """A frame (bytes-like, the contiguous layout, unparsed) from a link that ``trusts``
+        does not. Only :func:`mq.handshake.parse` reads it. False: refused and counted; the
+        transport closes the link if it can. Same threads as ``on_frame``."""
+
     def on_frame(self, header: Any, buffers: list[Any], link: Any) -> None:
-        """A frame arrived on ``link``: a hashable key naming the connection it came on (an NNG
-        pipe, an RPC rank), so core can tie frames to the peer that proved itself on that link.
-        Runs on the transport's I/O thread (or a ``read_in_caller`` caller)."""
+        """A frame arrived on a trusted ``link``, so core can tie it to the peer that proved
+        itself on that link. Runs on the transport's I/O thread (or a ``read_in_caller``
+        caller)."""
 
     def on_request(self, header: Any, buffers: list[Any], link: Any) -> Frame | None:
         """A REQ frame that wants its reply in the same exchange (``Transport.request``): check
@@ -82,8 +94,9 @@ class Events(Protocol):
     def on_link_lost(self, peer: int, why: str) -> None:
         """The link to ``peer`` broke (its process died, or it closed)."""
 
-    def on_dropped(self, why: str) -> None:
-        """A frame could not even be laid out (truncated, overrunning): count and log it."""
+    def on_dropped(self, why: str, cause: str = "malformed") -> None:
+        """A frame could not even be laid out (truncated, overrunning: ``malformed``) or was
+        larger than this node accepts (``oversized``): count it, log it (rate-limited)."""
 
 
 class Transport:
@@ -128,3 +141,13 @@ class Transport:
 
     def close(self, timeout: float) -> None:
         raise NotImplementedError
+
+    def reply_target(self, info: dict[str, Any]) -> Any:
+        """What to ``greet`` to reach a node that said HELLO (``info``, unproven) without
+        connecting to it: core tells a node it refuses why. None: this transport cannot."""
+        return None
+
+    def native_drops(self) -> dict[str, int]:
+        """Frames the underlying library dropped before this transport saw them, by cause
+        (``oversized``); counted by the library, read here for :meth:`mq.core.MQ.stats`."""
+        return {}

@@ -39,6 +39,10 @@ def test_send_recv_carries_every_payload_kind(backend):
     assert run(backend, "check_send_recv")[0] == "ok"
 
 
+def test_empty_tensors_and_arrays_arrive_every_time(backend):
+    assert run(backend, "check_empty_buffers")[0] == "ok"
+
+
 def test_publish_reaches_only_subscribers(backend):
     res = run(backend, "check_publish_filtering", n=3)
     assert res[0] == [("t0", "for 0")]

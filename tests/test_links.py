@@ -40,8 +40,9 @@ def decoded(data) -> object:
 
 
 @contextlib.contextmanager
-def joined(kind: str):
-    """(Outbound, Inbound, lost-calls) of one kind of link, joined through a real listener."""
+def joined(kind: str, trusted: bool = True):
+    """(Outbound, Inbound, lost-calls) of one kind of link, joined through a real listener;
+    ``trusted``: whether the link passed the handshake (what core's ``trusts`` answers)."""
     lost: list[int] = []
     if kind == "unix":
         name = f"mq-test-{uuid.uuid4().hex[:12]}"
@@ -52,7 +53,7 @@ def joined(kind: str):
         out = tcplink.Outbound(f"tcp://127.0.0.1:{listener.getsockname()[1]}", 5.0, lambda: lost.append(1))
     listener.setblocking(True)
     conn, _ = listener.accept()
-    inbound = (unixlink.Inbound if kind == "unix" else tcplink.Inbound)(conn, 64 << 20)
+    inbound = (unixlink.Inbound if kind == "unix" else tcplink.Inbound)(conn, 64 << 20, lambda _link: trusted)
     try:
         yield out, inbound, lost
     finally:
@@ -363,3 +364,44 @@ def test_a_malformed_tcp_link_address_from_a_peer_is_a_protocol_error(bad):
         assert 7 not in node.transport._out  # nothing half-made
     finally:
         node.stop()
+
+
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+def test_a_link_that_has_not_authenticated_gets_no_room_for_a_large_frame(kind):
+    """Before the handshake a reader allocates at most handshake.MAX_FRAME bytes for a frame:
+    a 64 MiB announcement is refused from its length alone (Oversized), nothing allocated;
+    the same frame on a trusted link arrives whole."""
+    from mq import handshake
+    from mq.errors import Oversized
+
+    big = frame_of(np.zeros(handshake.MAX_FRAME, np.uint8))  # just over the bound with its header
+    for trusted in (False, True):
+        with joined(kind, trusted) as (out, inbound, _lost):
+            sender = threading.Thread(target=lambda: _send_quietly(out, big))
+            sender.start()
+            if trusted:
+                assert decoded(read_whole(inbound)).nbytes == handshake.MAX_FRAME
+            else:
+                with pytest.raises(Oversized, match="before the handshake"):
+                    read_whole(inbound)
+                inbound.close()  # as the transport does: the sender's wait ends
+            sender.join(10)
+            assert not sender.is_alive()
+
+
+def _send_quietly(out, frame) -> None:
+    try:
+        out.send(1, frame, 5.0)
+    except mq.MQError:
+        pass  # the reader refused it and closed the link
+
+
+def read_whole(inbound, timeout: float = 10.0):
+    """The next whole frame of a link (polling its non-blocking reader)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        frame = inbound.read()
+        if frame is not None:
+            return frame
+        time.sleep(0.001)
+    raise AssertionError("no frame arrived")

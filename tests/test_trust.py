@@ -24,7 +24,8 @@ import mq
 from mq.testing import wait_until
 from mq import auth
 from mq.backends import tcplink
-from mq.codec import BYE, HELLO, LINK, MSG, Codec
+from mq.codec import BYE, HELLO, LINK, MSG
+from tests.strangers import fake_hello, raw_frame, send_as_strangers, stranger
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -63,50 +64,6 @@ def stop(proc: subprocess.Popen) -> None:
     proc.stderr.close()
 
 
-def raw_frame(kind: int, sender: int, payload, topic: str = "work") -> bytes:
-    return bytes(Codec().encode(kind, topic, sender, 0, 0, payload).to_bytes())
-
-
-def stranger(q: mq.MQ, family: str) -> Any:
-    """A raw sender to one of a node's addresses: NNG's, its unix link (an abstract ``mq-...``
-    name) or its tcp link."""
-    address = q.addresses[family]
-    if family == "unix":
-        return UnixStranger(address)
-    if family == "tcplink":
-        return TcpStranger(address)
-    s = pynng.Push0(send_timeout=2000)
-    s.dial(address, block=True)
-    return s
-
-
-class TcpStranger:
-    """Frames as the tcp link lays them out (one BEGIN record each), from nobody."""
-
-    def __init__(self, address: str):
-        self.sock = socket.create_connection(tcplink.split_address(address), 5)
-
-    def send(self, frame: bytes) -> None:
-        self.sock.sendall(struct.pack("<BxxxIQ", tcplink.BEGIN, len(frame), len(frame)) + frame)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-class UnixStranger:
-    """Frames as the unix link lays them out (length prefix, one datagram), from nobody."""
-
-    def __init__(self, name: str):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.connect("\0" + name)
-
-    def send(self, frame: bytes) -> None:
-        self.sock.send(struct.pack("<Q", len(frame)) + frame)
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 # ---------------------------------------------------------------------- strangers
 def test_a_node_with_another_secret_never_joins(learner):
     intruder = mq.create("nng", 7, secret="not-this-jobs-secret", attach_to=[learner.addresses["tcp"]], timeout=2)
@@ -120,16 +77,11 @@ def test_a_node_with_another_secret_never_joins(learner):
 
 
 @pytest.mark.parametrize("family", ["tcp", "ipc", "unix", "tcplink"])
-def test_frames_without_a_handshake_are_refused_and_counted(learner, family):
-    s = stranger(learner, family)
-    try:
-        for _ in range(5):
-            s.send(raw_frame(MSG, 1, {"cmd": "rm -rf"}))
-        assert wait_until(lambda: learner.stats().rejected.get("unauthenticated", 0) >= 5)
-        with pytest.raises(mq.Timeout):
-            learner.recv(timeout=0.3)
-    finally:
-        s.close()
+def test_frames_without_a_handshake_are_refused_counted_and_their_link_closed(learner, family):
+    send_as_strangers(learner.addresses, family, [raw_frame(MSG, 1, {"cmd": "rm -rf"})] * 5)
+    assert wait_until(lambda: learner.stats().rejected.get("unauthenticated", 0) >= 5)
+    with pytest.raises(mq.Timeout):
+        learner.recv(timeout=0.3)
 
 
 @pytest.mark.parametrize("family", ["tcp", "ipc", "unix", "tcplink"])
@@ -137,17 +89,17 @@ def test_spoofed_sender_hijacked_id_and_forged_farewell_change_nothing(learner, 
     proc = peer(learner)
     try:
         learner.wait_for_peers(ids=[1], timeout=10)
-        s = stranger(learner, family)
-        s.send(raw_frame(MSG, 1, "spoofed: I am node 1"))                    # spoof a live id
-        s.send(raw_frame(BYE, 1, {"rx": 0}))                                 # forged farewell
-        s.send(raw_frame(LINK, 1, {"node_id": 1, "incarnation": "x", "proof": b"0" * 32}))
+        send_as_strangers(learner.addresses, family, [
+            raw_frame(MSG, 1, "spoofed: I am node 1"),                           # spoof a live id
+            raw_frame(BYE, 1, {"rx": 0}),                                        # forged farewell
+            raw_frame(LINK, 1, {"node_id": 1, "incarnation": "x", "read_ok": False,
+                                "proof": b"0" * 32}, topic="")])                 # forged proof
         assert wait_until(lambda: sum(learner.stats().rejected.values()) >= 3)
-        s.close()
         # A member-looking HELLO for the live id 1 from another process: refused, not a takeover.
         thief = mq.create("nng", 1, attach_to=[learner.addresses["tcp"]], timeout=2)
         with thief:
-            with pytest.raises(mq.Timeout):
-                thief.wait_for_peers(1, timeout=2)
+            with pytest.raises(mq.ConfigError, match=r"node id 1 is taken by a live process .*unique node id"):
+                thief.wait_for_peers(1, timeout=5)
         assert learner.stats().rejected.get("duplicate_id", 0) >= 1
         assert 1 in learner.peers()
         assert learner.call(1, "echo", "still you", timeout=5) == "still you"  # the real node 1
@@ -161,16 +113,15 @@ def test_garbage_and_a_join_flood_leave_the_node_serving_and_stop_bounded():
     q = mq.create("nng", 0, timeout=2)
     q.listen()
     try:
-        s = stranger(q, "tcp")
         rng = random.Random(7)
-        for _ in range(50):
-            s.send(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))))
-        for n in range(300):  # fake joins pointing back at an address nobody listens on
-            hello = {"node_id": 1000 + n, "incarnation": f"i{n}", "nonce": os.urandom(16),
-                     "addresses": {"tcp": "tcp://127.0.0.1:9"}, "token": f"t{n}"}
-            s.send(raw_frame(HELLO, 1000 + n, hello, topic=""))
+        garbage = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))) for _ in range(50)]
+        send_as_strangers(q.addresses, "tcp", garbage)
+        s = stranger(q.addresses, "tcp")
+        for n in range(300):  # well-formed fake joins pointing back at an address nobody listens on
+            s.send(raw_frame(HELLO, 1000 + n, fake_hello(1000 + n, "tcp://127.0.0.1:9"), topic=""))
         s.close()
-        assert wait_until(lambda: q.stats().dropped_malformed >= 50, 20)
+        assert wait_until(lambda: sum(q.stats().rejected.values()) + q.stats().dropped_malformed >= 50, 20)
+        assert wait_until(lambda: q.stats().rejected.get("join_incomplete", 0) >= 300 - 64, 20)
         assert len(q._pending) <= 64 and q.peers() == []
     finally:
         t0 = time.monotonic()
@@ -188,12 +139,11 @@ def test_forged_hellos_naming_a_port_that_drops_syns_do_not_stall_the_node(learn
     filler = socket.create_connection(blackhole.getsockname(), 2)  # the backlog is full: SYNs drop
     sink = f"tcp://127.0.0.1:{blackhole.getsockname()[1]}"
     proc = peer(learner)
-    s = stranger(learner, "tcp")
+    s = stranger(learner.addresses, "tcp")
     try:
         learner.wait_for_peers(ids=[1], timeout=10)
         for n in range(10):
-            hello = {"node_id": 1000 + n, "incarnation": f"i{n}", "nonce": os.urandom(16),
-                     "addresses": {"tcp": sink, "tcplink": sink}, "token": f"t{n}"}
+            hello = dict(fake_hello(1000 + n, sink), addresses={"tcp": sink, "tcplink": sink})
             s.send(raw_frame(HELLO, 1000 + n, hello, topic=""))
         time.sleep(0.3)  # the HELLOs arrived and wait for their answers
         t0 = time.monotonic()
@@ -334,16 +284,18 @@ def test_the_default_secret_file_is_private_and_shared_by_the_users_processes(tm
 
 
 def test_a_request_on_a_link_that_never_joined_is_refused_and_counted():
-    """What a transport that answers calls in one exchange hands core (``on_request``) is
-    checked like any frame: a link that never proved membership gets no handler run."""
+    """What a transport that answers calls in one exchange hands core (``on_request``) is not
+    even decoded from a link that never proved membership: it is not taken (None), so the caller
+    sends it as an ordinary frame, which only the handshake parser reads, and refuses."""
     from mq.codec import REQ, split
 
     ran = []
     with mq.create("inproc", 0) as q:
         q.on("echo", lambda x: ran.append(x) or x)
-        head, buffers = split(q.codec.encode(REQ, "echo", 3, 0, 1, "hi").to_bytes())
-        with pytest.raises(mq.ProtocolError, match="refused"):
-            q.on_request(head, buffers, ("rank", 3))
+        frame = q.codec.encode(REQ, "echo", 3, 0, 1, "hi").to_bytes()
+        head, buffers = split(frame)
+        assert q.on_request(head, buffers, ("rank", 3)) is None
+        assert q.on_handshake(frame, ("rank", 3)) is False  # False: the transport closes the link
         assert q.stats().rejected == {"unauthenticated": 1}
     assert ran == []
 

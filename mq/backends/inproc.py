@@ -76,6 +76,10 @@ class InprocTransport(Transport):
             raise PeerLost(f"nothing listens on {target!r} in this process")
         other._put(self.address, frame.to_bytes(), 30.0)
 
+    def reply_target(self, info: dict[str, Any]) -> str | None:
+        address = (info.get("addresses") or {}).get("inproc")
+        return address if isinstance(address, str) and address.startswith(_SCHEME) else None
+
     def connect(self, peer: int, info: dict[str, Any], route: Route) -> None:
         with _REGISTRY_LOCK:
             other = _REGISTRY.get((info.get("addresses") or {}).get("inproc", ""))
@@ -105,13 +109,18 @@ class InprocTransport(Transport):
                 sender, data = self._inbox.get(timeout=0.1)
             except queue.Empty:
                 continue
-            assert self._node is not None
+            node = self._node
+            assert node is not None
+            link = ("inproc", sender)
+            if not node.trusts(link):
+                node.on_handshake(data, link)  # a refused sender has no link to close here
+                continue
             try:
                 header, buffers = split(data)
             except ProtocolError as exc:
-                self._node.on_dropped(str(exc))
+                node.on_dropped(str(exc), exc.cause)
                 continue
-            self._node.on_frame(header, buffers, ("inproc", sender))
+            node.on_frame(header, buffers, link)
 
     def close(self, timeout: float) -> None:
         self._closed = True

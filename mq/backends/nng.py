@@ -37,6 +37,7 @@ import pynng
 from pynng import ffi, lib
 from pynng.exceptions import check_err
 
+from mq import handshake
 from mq.backends import tcplink, unixlink
 from mq.backends.busypoll import BusyPoll
 from mq.codec import ALIGN, ZERO_PAD, Frame, split, split_batch
@@ -307,6 +308,10 @@ class NngTransport(Transport):
         # The frame waits in the socket's buffer until the connection is up.
         _send_msg(sock, frame)
 
+    def reply_target(self, info: dict[str, Any]) -> str | None:
+        address = (info.get("addresses") or {}).get("tcp")
+        return address if isinstance(address, str) and address.startswith(("tcp://", "tls+tcp://")) else None
+
     def connect(self, peer: int, info: dict[str, Any], route: Route) -> None:
         addresses = info.get("addresses") or {}
         kind = "ipc" if route.kind == "shm" else route.kind
@@ -477,16 +482,21 @@ class NngTransport(Transport):
                 self._drop_inbound(link)  # its outgoing side reports the loss
                 return
             except ProtocolError as exc:  # the link's framing is lost: it is unusable
-                self._node.on_dropped(f"{link.link[0]} link {link.link}: {exc}; closed it")
+                self._node.on_dropped(f"{link.link[0]} link {link.link}: {exc}; closed it", exc.cause)
                 self._drop_inbound(link)
                 return
             if frame is None:
                 return
             self.received += 1
+            if not self._node.trusts(link.link):
+                if not self._node.on_handshake(frame, link.link):
+                    self._drop_inbound(link)  # refused (counted): a stranger gets one frame
+                    return
+                continue
             try:
                 header, buffers = split(frame)
             except ProtocolError as exc:
-                self._node.on_dropped(f"frame on {link.link[0]} link {link.link}: {exc}")
+                self._node.on_dropped(f"frame on {link.link[0]} link {link.link}: {exc}", exc.cause)
                 continue
             self._node.on_frame(header, buffers, link.link)
 
@@ -501,7 +511,7 @@ class NngTransport(Transport):
             except OSError as exc:  # out of fds: the pending ones wait in the backlog
                 log.warning("node %d: cannot accept a link: %s", self.node_id, exc)
                 return
-            link = inbound(conn, self._node.max_frame_bytes)
+            link = inbound(conn, self._node.max_frame_bytes, self._node.trusts)
             with self._net_lock:
                 if self._state != "listening" or len(self._inbound) >= _MAX_LINKS:
                     link.close()  # a flood of connections must not take every fd
@@ -596,16 +606,33 @@ class NngTransport(Transport):
     def _handle_frame(self, msg: Any) -> None:
         """Deliver the frames of one NNG message (one, or a batch from a busy pipe) in order."""
         self.received += 1
-        link = ("pipe", lib.nng_pipe_id(lib.nng_msg_get_pipe(msg)))
+        pipe = lib.nng_msg_get_pipe(msg)
+        link = ("pipe", lib.nng_pipe_id(pipe))
         message = _msg_view(msg)
-        assert self._node is not None
-        frames = split_batch(message)
+        node = self._node
+        assert node is not None
+        start = 0
+        while not node.trusts(link):  # a batch may begin with the LINK that makes it trusted
+            frame = handshake.first_frame(message, start)
+            if not node.on_handshake(frame, link):
+                lib.nng_pipe_close(pipe)  # refused (counted): a stranger gets one frame
+                return
+            start = (start + len(frame) + ALIGN - 1) & -ALIGN
+            if start >= len(message):
+                return
+        frames = split_batch(message[start:] if start else message)
         del message  # the views of each frame keep the message alive, no longer
         try:
             for header, buffers in frames:
-                self._node.on_frame(header, buffers, link)
+                node.on_frame(header, buffers, link)
         except ProtocolError as exc:  # from splitting: on_frame reports its own
-            self._node.on_dropped(f"frame in a message from {link}: {exc}")
+            node.on_dropped(f"frame in a message from {link}: {exc}", exc.cause)
+
+    def native_drops(self) -> dict[str, int]:
+        # NNG drops a message over recv_max_size and closes its pipe, counting it as an "other"
+        # error of the listener it came through (it has no counter of its own for size).
+        sock = self._inbox_sock
+        return {"oversized": _listener_errors(sock, b"other")} if sock is not None else {}
 
 
 class _Outbox:
@@ -789,6 +816,23 @@ def _send_msg(sock: pynng.Socket, frame: Frame) -> None:
     if rv != 0:
         lib.nng_msg_free(msg)  # on failure the message is still ours
         check_err(rv)
+
+
+def _listener_errors(sock: pynng.Socket, name: bytes) -> int:
+    """The sum of NNG's error counter ``name`` over the listeners of ``sock`` (0 if closed)."""
+    stats = ffi.new("nng_stat **")
+    if lib.nng_stats_get(stats) != 0:
+        return 0
+    try:
+        total = 0
+        for listener in list(sock.listeners):
+            node = lib.nng_stat_find_listener(stats[0], listener.listener)
+            found = lib.nng_stat_find(node, name) if node != ffi.NULL else ffi.NULL
+            if found != ffi.NULL:
+                total += lib.nng_stat_value(found)
+        return total
+    finally:
+        lib.nng_stats_free(stats[0])
 
 
 def _msg_view(msg: Any) -> memoryview:

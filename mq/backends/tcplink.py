@@ -61,8 +61,8 @@ class Inbound(Receiver):
 
     __slots__ = ("_head", "_head_got", "_buf", "_filled", "_piece_end")
 
-    def __init__(self, sock: socket.socket, max_frame: int):
-        super().__init__(sock, max_frame, "tcp", next(_serial))
+    def __init__(self, sock: socket.socket, max_frame: int, trusts: Callable[[Any], bool]):
+        super().__init__(sock, max_frame, trusts, "tcp", next(_serial))
         self._head = bytearray(_HEAD.size)
         self._head_got = 0
         self._buf: Any = None  # the frame being filled, how much of it came, and
@@ -103,8 +103,7 @@ class Inbound(Receiver):
         if tag == BEGIN:
             if buf is not None:
                 raise ProtocolError("a frame begins inside another")
-            if size > self.max_frame:
-                raise ProtocolError(f"frame of {size} bytes exceeds max_frame_bytes={self.max_frame}")
+            self._check_size(size)
             if not 0 < length <= min(size, PIECE):
                 raise ProtocolError(f"frame of {size} bytes begins with a {length}-byte piece")
             try:

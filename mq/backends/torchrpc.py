@@ -118,16 +118,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Iterable, List, Mapping, Tuple
 
-import msgpack
 import numpy as np
 import torch
 
 from mq import device_map
-from mq.auth import seal, unseal
 from mq.codec import ALIGN, Frame, split
-from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
+from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Oversized, ProtocolError, Timeout
 from mq.locality import Locality, local
-from mq.rendezvous import parse_init_method
+from mq.rendezvous import open_entry, parse_init_method, sign_entry
 from mq.routing import BACKEND_ROUTES, Route, tensorpipe_options
 from mq.transport import Events, Receipt, Transport
 
@@ -526,8 +524,8 @@ class TorchRpcTransport(Transport):
         self._store = store
         prefix = "mq/torchrpc/locality/"
         secret = self._node.secret if self._node is not None else None
-        store.set(f"{prefix}{self.node_id}", seal(secret, msgpack.packb(
-            {"locality": self.locality.to_dict(), "incarnation": self.incarnation}, use_bin_type=True)))
+        store.set(f"{prefix}{self.node_id}", sign_entry(
+            secret, {"locality": self.locality.to_dict(), "incarnation": self.incarnation}))
         keys = [f"{prefix}{p}" for p in self._links]
         try:
             if keys:
@@ -540,8 +538,7 @@ class TorchRpcTransport(Transport):
         remote = {}
         for p in self._links:
             try:
-                info = msgpack.unpackb(unseal(secret, store.get(f"{prefix}{p}"), f"node {p}'s locality"),
-                                       raw=False, strict_map_key=False)
+                info = open_entry(secret, store.get(f"{prefix}{p}"), f"node {p}'s locality")
                 remote[p] = Locality.from_dict(info.get("locality") or {})
             except ProtocolError:
                 raise
@@ -594,6 +591,13 @@ class TorchRpcTransport(Transport):
         from torch.distributed import rpc
 
         opts = self._backend_options(remote)
+        reachable = _reachable_listen(os.environ.get("TP_SOCKET_IFNAME"))  # what the agent reads
+        if reachable:
+            log.warning("node %d: torch RPC listens on %s, reachable from other hosts: TensorPipe "
+                        "accepts any connection there (junk bytes abort this process, a Python-function "
+                        "RPC runs code in it) and anyone who reaches the rendezvous store can read and "
+                        "write it; keep this job on a private network or use nng (see mq doctor, "
+                        "README 'Trust')", self.node_id, reachable)
         try:
             with warnings.catch_warnings():  # torch's own deprecated use of ProcessGroupGloo
                 warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
@@ -860,10 +864,12 @@ class TorchRpcTransport(Transport):
         try:
             if buffers and any(t.is_cuda for t in buffers):
                 _settle_cuda(buffers)
+            if not node.trusts(("rank", sender)):
+                return "", []  # not joined (yet): sent again as a frame, for the handshake parser
             try:
                 head, views = self._frame_parts(text, buffers)
             except ProtocolError as exc:
-                node.on_dropped(f"a request from node {sender}: {exc}")
+                node.on_dropped(f"a request from node {sender}: {exc}", exc.cause)
                 raise RuntimeError(f"{_NOT_SERVED}: {exc}") from None
             try:
                 reply = node.on_request(head, views, ("rank", sender))
@@ -996,13 +1002,7 @@ class TorchRpcTransport(Transport):
             if item is None or self._rx_stop:
                 return
             sender, (text, buffers) = item
-            assert self._node is not None
-            try:
-                head, views = self._frame_parts(text, buffers)
-            except ProtocolError as exc:
-                self._node.on_dropped(f"from node {sender}: {exc}")
-            else:
-                self._node.on_frame(head, views, ("rank", sender))
+            self._deliver(("rank", sender), text, buffers)
             inbound = self._inbound[sender]
             with self._rx_lock:
                 inbound.consumed += 1
@@ -1020,6 +1020,23 @@ class TorchRpcTransport(Transport):
             if credit:
                 self._control(self._links[sender], _CREDIT)
 
+    def _deliver(self, link: tuple[str, int], text: Any, buffers: list[Any]) -> None:
+        """One frame of a rank to core: whole to the handshake parser until the rank proved
+        itself (a handshake frame is text alone), split for ``on_frame`` after."""
+        node = self._node
+        assert node is not None
+        try:
+            if not node.trusts(link):
+                if buffers or not isinstance(text, str):
+                    raise ProtocolError("a frame with tensors from a rank that has not joined")
+                node.on_handshake(_latin1(text), link)  # a rank's connection cannot be closed
+                return
+            head, views = self._frame_parts(text, buffers)
+        except ProtocolError as exc:
+            node.on_dropped(f"from node {link[1]}: {exc}", exc.cause)
+        else:
+            node.on_frame(head, views, link)
+
     def _frame_parts(self, text: Any, buffers: list[Any]) -> tuple[Any, list[Any]]:
         """RPC arguments -> the codec's (header, buffers). Without tensors the text is the
         whole frame (split in place, writable views); else it is the header, and flat uint8
@@ -1029,17 +1046,22 @@ class TorchRpcTransport(Transport):
         assert self._node is not None
         size = len(text) + sum(t.nbytes for t in buffers)
         if size > self._node.max_frame_bytes:
-            raise ProtocolError(f"{size} bytes exceeds max_frame_bytes={self._node.max_frame_bytes}")
-        try:
-            data = bytearray(text, "latin-1")
-        except UnicodeEncodeError:
-            raise ProtocolError("frame text is not latin-1 (bytes)") from None
+            raise Oversized(f"{size} bytes exceeds max_frame_bytes={self._node.max_frame_bytes}")
+        data = _latin1(text)
         if not buffers:
             return split(data)
         if len(data) < 4 or _U32.unpack_from(data)[0] != len(data) - 4:
             raise ProtocolError(f"frame header of {len(data)} bytes does not match its length prefix")
         views = [t.numpy() if t.is_cpu and t.dtype == torch.uint8 and t.dim() == 1 else t for t in buffers]
         return memoryview(data)[4:], views
+
+
+def _latin1(text: str) -> bytearray:
+    """A frame's text as the bytes it carries (each char one byte)."""
+    try:
+        return bytearray(text, "latin-1")
+    except UnicodeEncodeError:
+        raise ProtocolError("frame text is not latin-1 (bytes)") from None
 
 
 def _inline_text(frame: Frame) -> str | None:
@@ -1087,6 +1109,18 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
         return False
+
+
+def _reachable_listen(ifname: str | None) -> str | None:
+    """Where TensorPipe's agent will listen when hosts other than this one can reach it, else
+    None. It binds the address of interface ``TP_SOCKET_IFNAME``, or without one the address
+    this host's name resolves to."""
+    import socket
+
+    if ifname:
+        return None if ifname == "lo" else f"interface {ifname}"
+    host = socket.gethostname()
+    return None if _is_loopback(host) else f"the address of host name {host} (TensorPipe's default)"
 
 
 def _settle_cuda(buffers: list[torch.Tensor]) -> None:

@@ -31,8 +31,9 @@ import threading
 import time
 from typing import Any, Callable
 
+from mq import handshake
 from mq.codec import Frame, empty_buffer
-from mq.errors import ClosedError, ProtocolError, Timeout
+from mq.errors import ClosedError, Oversized, ProtocolError, Timeout
 
 DATAGRAM = 64 << 10  # one datagram; the kernel's default socket buffer holds three
 _PREFIX = struct.Struct("<Q")
@@ -58,19 +59,35 @@ def listener(family: int, kind: int, proto: int, address: Any) -> socket.socket:
 
 
 class Receiver:
-    """The receiving side of one accepted link: ``read()`` gives its next whole frame."""
+    """The receiving side of one accepted link: ``read()`` gives its next whole frame.
 
-    __slots__ = ("sock", "fd", "link", "max_frame")
+    Until ``trusts(link)`` says the link passed the handshake, a frame may be at most
+    :data:`mq.handshake.MAX_FRAME` bytes: a stranger cannot make this node allocate more."""
 
-    def __init__(self, sock: socket.socket, max_frame: int, family: str, serial: int):
+    __slots__ = ("sock", "fd", "link", "max_frame", "_limit", "_trusts")
+
+    def __init__(self, sock: socket.socket, max_frame: int, trusts: Callable[[Any], bool],
+                 family: str, serial: int):
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
         self.link = (family, serial)  # what core binds to a peer at its handshake
-        self.max_frame = max_frame
+        self.max_frame = min(max_frame, handshake.MAX_FRAME)
+        self._limit = max_frame  # once trusted
+        self._trusts = trusts
 
     def read(self) -> Any:
         raise NotImplementedError
+
+    def _check_size(self, size: int) -> None:
+        """Raise Oversized unless a frame of ``size`` bytes may come on this link now."""
+        if size > self.max_frame and self.max_frame < self._limit and self._trusts(self.link):
+            self.max_frame = self._limit
+        if size > self.max_frame == self._limit:
+            raise Oversized(f"frame of {size} bytes exceeds max_frame_bytes={self.max_frame}")
+        if size > self.max_frame:
+            raise Oversized(f"frame of {size} bytes from a link that has not authenticated (at "
+                            f"most {self.max_frame} before the handshake)")
 
     def _recv(self, buffers: list[Any], flags: int = 0) -> int | None:
         """Bytes read into ``buffers``, or None when none wait.
@@ -97,8 +114,8 @@ class Inbound(Receiver):
 
     __slots__ = ("_scratch", "_tag", "_buf", "_filled")
 
-    def __init__(self, sock: socket.socket, max_frame: int):
-        super().__init__(sock, max_frame, "unix", next(_serial))
+    def __init__(self, sock: socket.socket, max_frame: int, trusts: Callable[[Any], bool]):
+        super().__init__(sock, max_frame, trusts, "unix", next(_serial))
         self._scratch = bytearray(DATAGRAM)
         self._tag = bytearray(1)
         self._buf: Any = None  # a frame in pieces, and how much of it came
@@ -120,8 +137,7 @@ class Inbound(Receiver):
                 if n < _PREFIX.size:
                     raise ProtocolError(f"a {n}-byte datagram holds no frame length")
                 (size,) = _PREFIX.unpack_from(self._scratch)
-                if size > self.max_frame:
-                    raise ProtocolError(f"frame of {size} bytes exceeds max_frame_bytes={self.max_frame}")
+                self._check_size(size)
                 first = n - _PREFIX.size
                 if first > size or (first < size and n != DATAGRAM):
                     raise ProtocolError(f"frame of {size} bytes begins with a {first}-byte piece")

@@ -1,6 +1,6 @@
 """A standalone nng node for tests: `python -m tests.jobs.nng_peer NODE_ID ATTACH_ADDR MODE`.
 
-Modes: ``hang`` serves and sleeps; ``pong`` answers each "ping" message from ``recv()`` with a
+Every mode answers calls on "echo", "slow" and "stats" (its counters). Modes: ``hang`` serves and sleeps; ``pong`` answers each "ping" message from ``recv()`` with a
 "pong" of the same payload after ``payload["delay"]`` seconds; ``stall`` never reads "work" with a 2-message queue (its
 senders block); ``small`` accepts frames of at most 1 MiB; ``count`` reads nothing for a
 second, then takes ``MQ_TEST_COUNT`` "work" messages through a 2-message queue (a batch holds more) and sends node 0 what arrived: their
@@ -9,6 +9,7 @@ counters in order, and how many came batched (several frames to an NNG message).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ def main() -> None:
     with q:
         q.on("echo", lambda x: x)
         q.on("slow", lambda x: time.sleep(60))
+        q.on("stats", lambda _x: dataclasses.asdict(q.stats()))  # the counters a test checks
         q.subscribe("work")
         q.subscribe("ping")
         q.wait_for_peers(1, timeout=20)
