@@ -24,6 +24,17 @@ Each segment starts with a 64-byte header (magic, generation, state) that the re
 so a stale or forged descriptor (unknown segment, wrong generation, span past the end) is a
 :class:`~mq.errors.ProtocolError` (dropped and counted), never an out-of-bounds view.
 
+A peer that joined is still not trusted with this process's memory. The owner seals every
+segment against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW``) before anyone maps it,
+and a reader maps only sealed shmem memfds: a page of a mapping can never vanish under a view
+(a shrunk file would kill the reader with SIGBUS). The probe segment is a bare header, mapped
+without populating and unmapped at once. What a reader maps for one peer is bounded by the
+peer's announced pool bound (and a local cap): each mapping counts at least one minimal
+segment, unused mappings are unmapped first, and a descriptor that would still go over is
+refused. Mappings are not populated: populating a peer's sparse segment would allocate pages
+the peer never wrote, charged to this process. :meth:`PoolReader.close` unmaps everything no
+view references (core calls it when the peer is lost).
+
 Ownership (documented in the README): a receiver's numpy arrays are read-only views and its
 torch tensors are writable views of the sender's slot; with ``publish`` one slot is shared by
 every same-host subscriber, so copy before writing in place. A buffer from :meth:`Pool.alloc`
@@ -33,11 +44,14 @@ waits for that, and the sender's numpy view is read-only in between.
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import itertools
 import logging
 import mmap
 import os
 import queue
+import reprlib
 import struct
 import threading
 import time
@@ -58,6 +72,9 @@ _HEAD = struct.Struct("<8sQQQ")  # magic, generation, state, segment id
 _LIVE, _RETIRED = 0, 1
 _NAME_PREFIX = "mq-pool-"
 _MIN_SEGMENT = 64 << 10
+_PROBE_SIZE = _HEADER  # the probe segment is a bare header
+_MAX_FD = 1 << 31  # fds are C ints
+_MAX_INT = 1 << 63  # ids and generations live in u64 header fields; pids are far below
 
 #: Default bound of one node's pool: a quarter of RAM, at most 4 GiB.
 DEFAULT_POOL_BYTES = min(4 << 30, (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4)
@@ -70,6 +87,8 @@ def available() -> str | None:
     """Why this process cannot make a pool, or None when it can."""
     if not hasattr(os, "memfd_create"):
         return "os.memfd_create is missing (needs Linux >= 3.17)"
+    if not hasattr(fcntl, "F_ADD_SEALS"):
+        return "fcntl.F_ADD_SEALS is missing (memfd sealing needs Linux >= 3.17)"
     return None
 
 
@@ -152,13 +171,15 @@ class Pool:
 
     # ------------------------------------------------------------------ handshake
     def probe_info(self) -> dict[str, Any]:
-        """What a peer needs to open this pool: pid and the probe segment."""
-        return {"pid": os.getpid(), "probe": [self._probe.seg_id, self._probe.fd]}
+        """What a peer needs to open this pool: pid, the probe segment and the pool's bound
+        (the most a peer's reader maps for it)."""
+        return {"pid": os.getpid(), "probe": [self._probe.seg_id, self._probe.fd],
+                "max_bytes": self.max_bytes}
 
     # ------------------------------------------------------------------ sending
     def wants(self, nbytes: int) -> bool:
         """Whether a buffer of ``nbytes`` should travel by descriptor."""
-        return self.inline_max <= nbytes <= self.max_bytes and nbytes > 0
+        return self.inline_max <= nbytes and 0 < nbytes and _capacity(nbytes) <= self.max_bytes
 
     def place(self, buf: Any, holders: list[int], timeout: float) -> list[int]:
         """Put ``buf`` in a slot for ``holders`` (peer ids) and return its descriptor
@@ -197,18 +218,25 @@ class Pool:
                 return seg
         return None
 
-    def _take(self, nbytes: int, timeout: float) -> _Segment:
-        """A free segment that fits (best fit), a new one, or wait. Called with the lock held."""
+    def _take(self, nbytes: int, timeout: float, reuse: bool = True) -> _Segment:
+        """A free segment that fits (best fit; with ``reuse`` off always a fresh one), a new
+        one, or wait. Called with the lock held.
+
+        Every segment counts against the bound, alloc()'s too: readers refuse to map more of
+        this pool than its announced bound."""
+        cap = _capacity(nbytes)
+        if cap > self.max_bytes:
+            raise ConfigError(f"a {nbytes}-byte buffer does not fit the shared-memory pool "
+                              f"({self.max_bytes} bytes): raise shm_pool_bytes")
         deadline = time.monotonic() + timeout
         waited = False
         while True:
             if self._closed:
                 raise ConfigError("the shared-memory pool is closed (the queue stopped)")
             fits = [s for s in self._segments.values()
-                    if s.free and nbytes <= s.capacity <= 2 * _capacity(nbytes)]
+                    if reuse and s.free and nbytes <= s.capacity <= 2 * cap]
             if fits:
                 return min(fits, key=lambda s: s.capacity)
-            cap = _capacity(nbytes)
             if self._bytes + cap > self.max_bytes:
                 self._retire_free(self._bytes + cap - self.max_bytes)
             if self._bytes + cap <= self.max_bytes:
@@ -219,17 +247,20 @@ class Pool:
                 raise Timeout(
                     f"the shared-memory pool stayed full for {timeout:g}s ({held >> 20} MiB of "
                     f"{self.max_bytes >> 20} MiB held by receivers that still reference earlier "
-                    "messages): receivers must drop or copy what they keep, or raise "
-                    "shm_pool_bytes / pass timeout= to wait longer")
+                    "messages, or by alloc() buffers): receivers must drop or copy what they "
+                    "keep, or raise shm_pool_bytes / pass timeout= to wait longer")
             if not waited:
                 self.stats["waits"] += 1
                 waited = True
             self._cond.wait(min(left, 0.1))
 
     def _new_segment(self, capacity: int) -> _Segment:
-        fd = os.memfd_create(f"{_NAME_PREFIX}{self.label}", os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"{_NAME_PREFIX}{self.label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, _HEADER + capacity)
+            # Sealed before any peer sees it: readers refuse segments that could shrink.
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
             mm = mmap.mmap(fd, _HEADER + capacity, flags=mmap.MAP_SHARED)
         except OSError:
             os.close(fd)
@@ -293,9 +324,14 @@ class Pool:
         self._cond.notify_all()
 
     # ------------------------------------------------------------------ by handle
-    def alloc(self, shape: Any, dtype: Any) -> Any:
+    def alloc(self, shape: Any, dtype: Any, timeout: float = 0.0) -> Any:
         """A numpy array (numpy dtype) or torch tensor (torch dtype) of ``shape`` in the pool.
-        Sending it, anywhere in a payload, to a same-host shm peer costs a descriptor."""
+        Sending it, anywhere in a payload, to a same-host shm peer costs a descriptor.
+
+        Raises:
+            ConfigError: bad shape/dtype, or larger than the pool's bound.
+            Timeout: the pool stayed too full for ``timeout`` seconds (slots held by receivers).
+        """
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ConfigError(f"shape must be ints >= 0, got {shape!r}")
@@ -310,7 +346,7 @@ class Pool:
         itemsize = torch_dtype.itemsize if torch_dtype is not None else np_dtype.itemsize
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
         with self._cond:
-            seg = self._new_segment(_capacity(nbytes))
+            seg = self._take(nbytes, timeout, reuse=False)
             seg.pinned = True
             seg.gen += 1
             seg.write_header()
@@ -382,15 +418,49 @@ def _torch_dtype(dtype: Any) -> Any:
     return dtype if torch is not None and isinstance(dtype, torch.dtype) else None
 
 
+@functools.cache
+def _shmem_dev() -> int:
+    """st_dev of plain memfds: all live on the kernel's one internal shmem mount."""
+    fd = os.memfd_create("mq-dev", os.MFD_CLOEXEC)
+    try:
+        return os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
+
+
+def _sane(value: Any, bound: int = _MAX_INT) -> bool:
+    return type(value) is int and 0 <= value < bound
+
+
+def _charge(size: int) -> int:
+    """What mapping a segment of ``size`` bytes counts against a peer's bound: its data, and at
+    least a minimal segment (a real pool has no smaller one), so the bound also caps the count."""
+    return max(size - _HEADER, _MIN_SEGMENT)
+
+
+def _sealed_size(mfd: int) -> int:
+    """The size of an opened peer segment, final. Checked on the opened fd, not on the name the
+    peer showed: it may have swapped its fd in between."""
+    # A file that can shrink could pull mapped pages out from under a view (SIGBUS).
+    if not fcntl.fcntl(mfd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+        raise ProtocolError("it is not sealed against shrinking")
+    st = os.fstat(mfd)  # after the seal check: the seal makes this size final
+    if st.st_dev != _shmem_dev():  # e.g. hugetlbfs, where punching a hole takes pages away
+        raise ProtocolError("it is not a plain shared-memory file")
+    if st.st_size < _HEADER:
+        raise ProtocolError("it is truncated")
+    return st.st_size
+
+
 class _Mapping:
     """One peer segment mapped here."""
 
     __slots__ = ("mm", "base", "size", "live", "orphan")
 
-    def __init__(self, mm: mmap.mmap, size: int):
+    def __init__(self, mm: mmap.mmap):
         self.mm = mm
         self.base = int(_ffi.cast("uintptr_t", _ffi.from_buffer(mm)))
-        self.size = size
+        self.size = len(mm)
         self.live = 0  # views handed out and not yet released
         self.orphan = False  # unmap when the last view goes (the reader closed meanwhile)
 
@@ -404,70 +474,117 @@ class PoolReader:
         on_release: called as ``on_release(seg_id, gen)`` when the last reference to a view is
             dropped. Runs from garbage collection, in any thread: it must not block or lock
             (a ``SimpleQueue.put`` is fine).
+        max_bytes: this node's cap on what it maps for one peer; the bound is the smaller of
+            this and the peer's announced pool bound.
+
+    Counters (read them from any thread): ``mapped_bytes`` (as counted against ``limit``) and
+    ``refused`` (descriptors :meth:`view` refused).
     """
 
-    def __init__(self, peer: int, info: Any, on_release: Callable[[int, int], None]):
-        if not (isinstance(info, dict) and isinstance(info.get("pid"), int)
-                and isinstance(info.get("probe"), list) and len(info["probe"]) == 2):
+    def __init__(self, peer: int, info: Any, on_release: Callable[[int, int], None],
+                 max_bytes: int = DEFAULT_POOL_BYTES):
+        probe = info.get("probe") if isinstance(info, dict) else None
+        if not (isinstance(probe, list) and len(probe) == 2 and _sane(probe[0])
+                and _sane(probe[1], _MAX_FD) and _sane(info.get("pid"), _MAX_FD) and info["pid"] > 0
+                and _sane(info.get("max_bytes"))):
             raise ProtocolError(f"node {peer}: malformed shared-memory pool description")
         self.peer = peer
         self.pid = info["pid"]
-        self._probe = info["probe"]
+        self.limit = min(info["max_bytes"], max_bytes)
+        self.refused = 0
+        self._probe = probe
         self._on_release = on_release
         self._maps: dict[int, _Mapping] = {}
         self._lock = threading.Lock()
         self._closed = False
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the peer's segments mapped here, as counted against ``limit``."""
+        return sum(_charge(m.size) for m in list(self._maps.values()))
+
     def probe(self) -> str | None:
         """Open the peer's probe segment: None when this process can read the peer's pool,
-        else why not (the route then falls back to a socket, and says so)."""
+        else why not (the route then falls back to a socket, and says so). Runs before the
+        peer authenticated: it maps one page, unpopulated, and unmaps it again."""
         try:
-            self._open(*self._probe)
-        except (OSError, ProtocolError) as exc:
+            self._map(*self._probe, self._check_probe_size).close()
+        except ProtocolError as exc:
             return f"cannot open node {self.peer}'s shared memory ({exc})"
         return None
 
-    def _open(self, seg_id: int, fd: int) -> _Mapping:
-        m = self._maps.get(seg_id)
-        if m is not None:
-            return m
+    @staticmethod
+    def _check_probe_size(size: int) -> None:
+        if size != _PROBE_SIZE:
+            raise ProtocolError(f"a probe segment has {_PROBE_SIZE} bytes, this one {size}")
+
+    def _map(self, seg_id: int, fd: int, admit: Callable[[int], None]) -> mmap.mmap:
+        """Map the peer's segment ``seg_id`` (its ``fd``) once ``admit(size)`` let its size in.
+        Not populated: populating a sparse segment would allocate pages the peer never wrote,
+        charged to this process; a view faults in only what is read."""
         path = f"/proc/{self.pid}/fd/{fd}"
-        target = os.readlink(path)
-        if not target.startswith(f"/memfd:{_NAME_PREFIX}"):
-            raise ProtocolError(f"{path} is not an mq pool segment ({target!r})")
-        mfd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
-            size = os.fstat(mfd).st_size
-            if size < _HEADER:
-                raise ProtocolError(f"segment {seg_id} of node {self.peer} is truncated")
-            mm = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(mfd)
+            target = os.readlink(path)
+            if not target.startswith(f"/memfd:{_NAME_PREFIX}"):
+                raise ProtocolError(f"it is not an mq pool segment ({target!r})")
+            # The peer may swap its fd for anything before the open: no blocking, no tty.
+            mfd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+            try:
+                size = _sealed_size(mfd)
+                admit(size)
+                mm = mmap.mmap(mfd, size, flags=mmap.MAP_SHARED)
+            finally:
+                os.close(mfd)
+        except (OSError, ProtocolError) as exc:
+            raise ProtocolError(f"segment {seg_id} of node {self.peer} ({path}) is refused: "
+                                f"{exc}") from None
         magic, _gen, _state, real_id = _HEAD.unpack_from(mm, 0)
         if magic != _MAGIC or real_id != seg_id:
             mm.close()
             raise ProtocolError(f"fd {fd} of node {self.peer} is not its segment {seg_id}")
-        m = self._maps[seg_id] = _Mapping(mm, size)
-        self._unmap_retired()
+        return mm
+
+    def _open(self, seg_id: int, fd: int) -> _Mapping:
+        m = self._maps.get(seg_id)
+        if m is None:
+            self._unmap_retired()
+            m = self._maps[seg_id] = _Mapping(self._map(seg_id, fd, self._make_room))
         return m
+
+    def _make_room(self, size: int) -> None:
+        """Keep what is mapped for this peer within its bound: unmap what no view uses (it is
+        mapped again when named again), else refuse."""
+        need = _charge(size)
+        if self.mapped_bytes + need > self.limit:
+            for seg_id in [s for s, m in self._maps.items() if not m.live]:
+                self._unmap(seg_id)
+        if self.mapped_bytes + need > self.limit:
+            raise ProtocolError(f"mapping {need} more bytes would exceed the bound of "
+                                f"{self.limit} bytes mapped for node {self.peer} "
+                                f"({self.mapped_bytes} held by views)")
 
     def view(self, desc: Any) -> memoryview:
         """A zero-copy view for descriptor ``[seg_id, fd, gen, offset, nbytes]``.
 
         Raises:
-            ProtocolError: the descriptor is malformed, stale or out of bounds.
+            ProtocolError: the descriptor is malformed, stale, out of bounds or names a segment
+                this reader refuses to map (counted in ``refused``).
         """
-        if not (isinstance(desc, list) and len(desc) == 5 and all(type(x) is int for x in desc)):
-            raise ProtocolError(f"malformed shared-memory descriptor {desc!r}")
+        try:
+            return self._view(desc)
+        except ProtocolError:
+            self.refused += 1
+            raise
+
+    def _view(self, desc: Any) -> memoryview:
+        if not (isinstance(desc, list) and len(desc) == 5 and all(type(x) is int for x in desc)
+                and _sane(desc[0]) and _sane(desc[1], _MAX_FD)):
+            raise ProtocolError(f"malformed shared-memory descriptor {reprlib.repr(desc)}")
         seg_id, fd, gen, offset, nbytes = desc
         with self._lock:
             if self._closed:
                 raise ProtocolError("the peer's pool is closed")
-            try:
-                m = self._open(seg_id, fd)
-            except OSError as exc:
-                raise ProtocolError(f"descriptor names segment {seg_id} (fd {fd}) of node "
-                                    f"{self.peer}, which cannot be opened: {exc}") from None
+            m = self._open(seg_id, fd)
             _magic, live_gen, state, _id = _HEAD.unpack_from(m.mm, 0)
             if gen != live_gen or state != _LIVE:
                 raise ProtocolError(f"stale descriptor: segment {seg_id} is at generation "

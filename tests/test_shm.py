@@ -123,6 +123,18 @@ def test_alloc_sends_by_handle_and_guards_writes_until_released(pool, reader):
     w[0, 0] = 2.0
 
 
+def test_alloc_counts_against_the_bound_the_pool_announces(pool):
+    # Readers map no more of a pool than its announced bound: alloc() buffers must fit in it.
+    assert pool.probe_info()["max_bytes"] == 8 * MB
+    with pytest.raises(mq.ConfigError, match="does not fit the shared-memory pool"):
+        pool.alloc(9 * MB, np.uint8)
+    kept = pool.alloc(6 * MB, np.uint8)
+    with pytest.raises(mq.Timeout, match=r"stayed full for 0s .* or by alloc\(\) buffers"):
+        pool.alloc(3 * MB, np.uint8)
+    assert pool.wants(MB) and not pool.wants(8 * MB + 1)
+    del kept
+
+
 def test_bad_pool_options_are_config_errors():
     with pytest.raises(mq.ConfigError, match="shm_pool_bytes"):
         mq.create("nng", 0, shm_pool_bytes=-1)
