@@ -24,6 +24,20 @@ __all__ = ["doctor", "report"]
 
 _OTHER_BOOT_ID = "00000000-0000-0000-0000-000000000000"
 
+#: What torchrpc leaves open that mq cannot close (TensorPipe's and torch's store's own trust
+#: model), beside mq.auth's summary: said where a user picks a backend.
+TORCHRPC_EXPOSURE = {
+    "hostile_input": "a few KiB of random bytes sent to TensorPipe's port abort the node "
+                     "(std::bad_alloc, exit -6), and its listener can stop accepting after one "
+                     "connect and close: anyone who reaches the port can stop the job",
+    "store": "the rendezvous store (torch TCPStore, hosted by node 0 on every interface of its "
+             "host) is open to anyone who reaches it: mq signs what it writes there and refuses "
+             "(and logs) an entry without the job's signature, but torch's own entries are "
+             "unsigned, and insecure=True signs nothing",
+    "warning": "a node whose TensorPipe listens where other hosts can reach it logs one "
+               "warning naming the interface (logger mq.torchrpc)",
+}
+
 
 def _section(fn: Callable[[], Any]) -> Any:
     try:
@@ -104,6 +118,11 @@ def _shm() -> dict[str, Any]:
                                       "(same boot id, IPC and PID namespace); /dev/shm size does not matter"}
 
 
+def _trust() -> dict[str, Any]:
+    state = _auth.state()
+    return state | {"torchrpc": {"summary": state["torchrpc"], **TORCHRPC_EXPOSURE}}
+
+
 def _route(route: Any) -> dict[str, Any]:
     return {"kind": route.kind, "gpu": route.gpu, "gpudirect": route.gpudirect, "reason": route.reason}
 
@@ -120,8 +139,9 @@ def sample_peers(me: Locality) -> dict[str, Locality]:
 def report(locality: Locality | None = None) -> dict[str, Any]:
     """Everything ``mq doctor`` prints, as one JSON-safe dict.
 
-    Keys: node, container, fork_safety, rdma, gpus, torch, tensorpipe, pynng, shm, routes. Routes
-    hold, per backend (``nng``, ``torchrpc``), the route to a sample local and remote peer.
+    Keys: node, container, fork_safety, rdma, gpus, torch, tensorpipe, pynng, shm, trust, routes.
+    Routes hold, per backend (``nng``, ``torchrpc``), the route to a sample local and remote peer;
+    ``trust["torchrpc"]`` what torch RPC leaves open that mq cannot close.
     """
     me = local() if locality is None else locality
     peers = sample_peers(me)
@@ -151,7 +171,7 @@ def report(locality: Locality | None = None) -> dict[str, Any]:
         "tensorpipe": _section(lambda: _tensorpipe(me, {1: peers["local"], 2: peers["remote"]})),
         "pynng": _section(_pynng),
         "shm": shm,
-        "trust": _section(_auth.state),
+        "trust": _section(_trust),
         "routes": routes,
     }
 
@@ -258,7 +278,8 @@ def _render(rep: dict[str, Any]) -> None:
     tr = rep["trust"]
     if "error" not in tr:
         table.add_row("trust", f"joins authenticated; secret from {tr['secret']}; {tr['opt_out']}")
-        table.add_row("  torchrpc", f"[yellow]{tr['torchrpc']}[/yellow]")
+        for key, text in tr["torchrpc"].items():
+            table.add_row("  torchrpc" if key == "summary" else "", f"[yellow]{text}[/yellow]")
     sh = rep["shm"]
     table.add_row("shm data path", ("available: " if sh.get("available") else "[yellow]unavailable[/yellow]: ")
                   + str(sh.get("why") or sh.get("error")))

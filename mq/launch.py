@@ -12,7 +12,9 @@ Guarantees:
   is longer than ``stop()``'s default 5 s) and fails with a line naming the failed node.
 * SIGTERM (scancel, kubelet) and Ctrl-C are graceful stops: every worker says goodbye
   through ``stop()``; the launcher removes the unix socket file of any worker that could not
-  (SIGKILL), so nothing is left in the temp directory.
+  (SIGKILL), so nothing is left in the temp directory. A worker that ended by SIGINT or
+  SIGTERM (exit 130 or 143) stops the job the same way, with the same exit code, whether or
+  not the launcher has seen the signal yet: Ctrl-C and scancel reach every process at once.
 * Workers die with the launcher (PR_SET_PDEATHSIG), so none is left behind as an orphan.
 """
 
@@ -67,7 +69,8 @@ class LaunchError(MQError):
         failures: node id -> exit code, for this host's workers that failed by themselves.
         aborted_by: ``{"node", "host", "error"}`` of the node (usually on another host) whose
             failure stopped this host's workers, or None.
-        exit_code: what ``mq run`` exits with (1, or 143 after SIGTERM).
+        exit_code: what ``mq run`` exits with: 1, or 128 + the signal (130, 143) that stopped
+            the job.
     """
 
     def __init__(self, failures: dict[int, int], *, aborted_by: Mapping[str, Any] | None = None,
@@ -428,28 +431,45 @@ def launch(main: Callable[[Context], Any] | str, n_workers: int | None = None, m
                        labels=labels, **options))
 
 
-class _Terminated(BaseException):
-    """SIGTERM reached the launcher (scancel, kubelet)."""
+#: A worker's exit status -> the stop signal it says the worker ended by: the code its own
+#: handler exits with, or the signal itself when it came before the handler was installed.
+_STOPPED_BY = {EXIT_INT: signal.SIGINT, -signal.SIGINT: signal.SIGINT,
+               EXIT_TERM: signal.SIGTERM, -signal.SIGTERM: signal.SIGTERM}
+
+
+class _JobStopped(BaseException):
+    """A stop signal reached the job: SIGTERM at the launcher (scancel, kubelet), or a signal a
+    worker ended by before the launcher handled it (``seen``: which worker, how)."""
+
+    def __init__(self, signum: int, seen: str = ""):
+        super().__init__(signum)
+        self.signum, self.seen = signum, seen
+
+    def error(self) -> LaunchError:
+        via = f" ({self.seen})" if self.seen else ""
+        return LaunchError({}, reason=f"stopped by {signal.Signals(self.signum).name}{via}; every worker "
+                           "was told to stop and say goodbye", exit_code=128 + self.signum)
 
 
 @contextmanager
-def _sigterm_raises() -> Iterator[None]:
+def _sigterm_raises() -> Iterator[threading.Event]:
     """Turn SIGTERM into an exception in the main thread while the job runs, so the launcher
-    stops its workers gracefully instead of dying at once (and taking them down by SIGKILL)."""
+    stops its workers gracefully instead of dying at once (and taking them down by SIGKILL).
+    Set the event it yields when the job is stopping for another reason: SIGTERM is then
+    ignored, as it is after the first one."""
+    stopping = threading.Event()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield stopping
         return
 
     def on_term(signum: int, frame: Any) -> None:
-        if not terminated:  # once: a second SIGTERM must not break off the graceful stop
-            terminated.append(signum)
-            raise _Terminated()
-
-    terminated: list[int] = []
+        if not stopping.is_set():  # once: a later SIGTERM must not break off the graceful stop
+            stopping.set()
+            raise _JobStopped(signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        yield
+        yield stopping
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -476,7 +496,7 @@ def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
     reports = ctx.SimpleQueue()  # worker -> launcher: the abort that stopped it
     announce = ctx.Array("c", 4096)  # launcher -> workers: a failure they must tell the job about
     procs: dict[int, Any] = {}
-    with _sigterm_raises():
+    with _sigterm_raises() as stopping:
         try:
             for i, n in enumerate(plan.node_ids):
                 if i and plan.startup_interval:
@@ -486,13 +506,14 @@ def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
                 p.start()
                 procs[n] = p
             failures, aborted_by = _supervise(plan, procs, deadline_s, reports, announce)
-        except _Terminated:
+        except (_JobStopped, KeyboardInterrupt) as stop:
+            # scancel signals one process at a time: the launcher's own SIGTERM may come while
+            # it stops the workers, and must not break that off.
+            stopping.set()
             _stop_all(procs)
-            raise LaunchError({}, reason="stopped by SIGTERM; every worker was told to stop and say "
-                              "goodbye", exit_code=EXIT_TERM) from None
-        except KeyboardInterrupt:
-            _stop_all(procs)
-            raise
+            if isinstance(stop, KeyboardInterrupt):
+                raise
+            raise stop.error() from None
     if failures:
         raise LaunchError(failures, aborted_by=aborted_by)
     if aborted_by:
@@ -513,6 +534,13 @@ def _supervise(plan: Plan, procs: dict[int, Any], deadline_s: float | None, repo
             code = p.exitcode
             if code is None:
                 running = True
+            elif code in _STOPPED_BY:
+                # Ctrl-C and scancel signal the launcher and its workers at once, in no order; a
+                # launcher that ignores SIGINT (a shell's background job) never sees it, and one
+                # cannot ask the kernel afterwards (Python's handler consumed the signal). The
+                # worker's exit status is the evidence that cannot race, so it decides: a worker
+                # ended by a stop signal (or exiting 130/143, which says the same) stops the job.
+                raise _JobStopped(_STOPPED_BY[code], f"node {n} exited with {_describe_exit(code)}")
             elif code == EXIT_ABORTED:
                 aborted = True
             elif code != 0 and n not in failures:
@@ -527,7 +555,7 @@ def _supervise(plan: Plan, procs: dict[int, Any], deadline_s: float | None, repo
             while not reports.empty():  # an aborted worker reported why before it exited
                 report = reports.get()
                 aborted_by = aborted_by or report
-            stopped = (0, None, EXIT_ABORTED, EXIT_INT, EXIT_TERM, -signal.SIGTERM, -signal.SIGKILL)
+            stopped = (0, None, EXIT_ABORTED, -signal.SIGKILL, *_STOPPED_BY)
             for n, p in procs.items():  # the ones we had to stop are not failures of their own
                 if n not in failures and p.exitcode not in stopped:
                     failures[n] = p.exitcode

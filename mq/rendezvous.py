@@ -7,12 +7,14 @@ attach lists by hand.
 - ``env://`` — MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the environment.
 - ``file:///shared/path`` — a torch FileStore on a filesystem every node sees.
 
-Each node writes ``mq/<run>/<node_id>`` = msgpack(info) and waits for the others; it then
-dials the peers its topology names (:func:`attach_targets`).
+Each node writes ``mq/<run>/<node_id>`` = msgpack(info), signed with the job secret
+(:func:`sign_entry`: anyone who reaches the store can write it), and waits for the others; it
+then dials the peers its topology names (:func:`attach_targets`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,9 +24,11 @@ from urllib.parse import urlparse
 import msgpack
 
 from mq.auth import seal, unseal
-from mq.errors import ConfigError, Timeout
+from mq.errors import ConfigError, ProtocolError, Timeout
 
 TOPOLOGIES = ("mesh", "star", "alone")
+
+log = logging.getLogger("mq.rendezvous")
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ class Rendezvous:
     def exchange(self, info: dict[str, Any], secret: Any = None) -> dict[int, dict[str, Any]]:
         """Publish ``info`` and return every node's info by node id. With the job ``secret``
         (:class:`mq.auth.Secret`) values are signed, and a value a stranger planted is refused."""
-        self.store.set(f"{self.prefix}{self.node_id}", seal(secret, msgpack.packb(info, use_bin_type=True)))
+        self.store.set(f"{self.prefix}{self.node_id}", sign_entry(secret, info))
         keys = [f"{self.prefix}{i}" for i in range(self.world_size)]
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout))
@@ -123,9 +127,31 @@ class Rendezvous:
             missing = [k for k in keys if not self.store.check([k])]
             raise Timeout(f"rendezvous: {missing} did not register within {self.timeout:g}s "
                           f"(world_size={self.world_size}): are all nodes started?") from exc
-        return {i: msgpack.unpackb(unseal(secret, self.store.get(k), f"rendezvous entry {k}"), raw=False,
-                                   strict_map_key=False)
-                for i, k in enumerate(keys)}
+        return {i: open_entry(secret, self.store.get(k), f"rendezvous entry {k}") for i, k in enumerate(keys)}
+
+
+def sign_entry(secret: Any, info: Any) -> bytes:
+    """``info`` as mq writes it to a store: msgpack, signed with the job ``secret`` (None:
+    unsigned, for insecure jobs)."""
+    return seal(secret, msgpack.packb(info, use_bin_type=True))
+
+
+def open_entry(secret: Any, blob: bytes, what: str) -> Any:
+    """A :func:`sign_entry` value read back, its signature checked before msgpack sees it.
+
+    Anyone who reaches the store can write it, so a value not signed with the job's secret is
+    refused, and logged as the attack (or misconfiguration) it is, never decoded.
+
+    Raises:
+        ProtocolError: the signature is wrong.
+    """
+    try:
+        data = unseal(secret, blob, what)
+    except ProtocolError:
+        log.warning("refused %s: not signed with this job's secret (a stranger wrote it, or that "
+                    "node has another secret)", what)
+        raise
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 def _int_env(env: Mapping[str, str], name: str) -> int | None:

@@ -4,6 +4,7 @@ them all within seconds, and no process is left behind."""
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -81,10 +82,15 @@ def test_crashing_worker_stops_the_others_and_fails_the_run(tmp_path):
     assert wait_dead(read_pids(tmp_path)) == []
 
 
-def test_ctrl_c_stops_every_worker(tmp_path):
+@pytest.mark.parametrize("launcher_sigint", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_ctrl_c_stops_every_worker(tmp_path, launcher_sigint):
+    """Ctrl-C reaches the launcher and its workers at once. "ignored": the launcher ignores
+    SIGINT, as a shell without job control leaves it for a background job, so only the
+    workers' exit status (130) tells it the job was interrupted (it used to say "failed")."""
     proc = subprocess.Popen([sys.executable, "-m", "mq.cli.main", "run", "--main", "tests.jobs.roles:sleep_forever",
                              "-n", "2"], cwd=REPO, env={**os.environ, "MQ_TEST_PID_DIR": str(tmp_path)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, launcher_sigint))
     try:
         deadline = time.monotonic() + 40
         while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
@@ -99,6 +105,57 @@ def test_ctrl_c_stops_every_worker(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+
+def interrupted_alone(ctx: mq.Context) -> None:
+    """Node 1 ends as Ctrl-C ends a worker (exit 130) once node 0 is up, with no signal sent to
+    anyone: the launcher hears of the interruption from the worker first. Node 0 waits."""
+    from tests.jobs import record_pid
+
+    record_pid(ctx)
+    if ctx.node_id != 1:
+        time.sleep(600)
+        return
+    _wait_for_pids(pathlib.Path(os.environ["MQ_TEST_PID_DIR"]), 2)
+    raise KeyboardInterrupt
+
+
+def test_a_worker_interrupted_before_the_launcher_stops_the_job_with_130(tmp_path):
+    r = mq_cli("run", "--main", "tests.test_launch:interrupted_alone", "-n", "2",
+               env={"MQ_TEST_PID_DIR": str(tmp_path)})
+    assert r.returncode == 130, r.stderr
+    assert "mq run: stopped by SIGINT (node 1 exited with code 130)" in r.stderr, r.stderr
+    assert "worker failed" not in r.stderr
+    pids = read_pids(tmp_path)
+    assert len(pids) == 2 and wait_dead(pids) == []
+    assert not unix_sockets(pids)
+
+
+def terminated_first(ctx: mq.Context) -> None:
+    """SIGTERM reaches node 1 first and the launcher later, while it stops node 0 (scancel
+    signals a step's processes one at a time): node 0 sends it on its way out."""
+    import atexit
+
+    from tests.jobs import record_pid
+
+    record_pid(ctx)
+    if ctx.node_id == 0:
+        atexit.register(os.kill, os.getppid(), signal.SIGTERM)
+    else:
+        _wait_for_pids(pathlib.Path(os.environ["MQ_TEST_PID_DIR"]), 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(600)
+
+
+def test_sigterm_reaching_a_worker_before_the_launcher_is_a_graceful_stop(tmp_path):
+    r = mq_cli("run", "--main", "tests.test_launch:terminated_first", "-n", "2",
+               env={"MQ_TEST_PID_DIR": str(tmp_path)})
+    assert r.returncode == 143, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("mq run: stopped by SIGTERM (node 1 exited with code 143); every "
+                                                 "worker was told to stop and say goodbye"), r.stderr
+    pids = read_pids(tmp_path)
+    assert len(pids) == 2 and wait_dead(pids) == []
+    assert not unix_sockets(pids)
 
 
 def test_killed_launcher_leaves_no_orphans(tmp_path):
@@ -345,7 +402,7 @@ def test_failure_on_one_launcher_ends_the_other_within_seconds(tmp_path):
 
 def _wait_for_pids(d, n: int, timeout: float = 40) -> list[int]:
     deadline = time.monotonic() + timeout
-    while len(list(d.iterdir())) < n and time.monotonic() < deadline:
+    while len(read_pids(d)) < n and time.monotonic() < deadline:  # pid files appear whole (os.replace)
         time.sleep(0.05)
     pids = read_pids(d)
     assert len(pids) == n, "workers did not start"

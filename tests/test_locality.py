@@ -377,6 +377,20 @@ def test_doctor_human_output_exits_0():
         assert "busy-polls" in condensed and "--no-busy-poll" in condensed
 
 
+def test_doctor_states_what_torchrpc_leaves_open():
+    runner, doctor = _doctor()
+    risk = json.loads(runner.invoke(doctor.doctor, ["--json"]).output)["trust"]["torchrpc"]
+    assert "accepts any connection" in risk["summary"] and "use nng" in risk["summary"]
+    assert "random bytes" in risk["hostile_input"] and "abort the node" in risk["hostile_input"]
+    assert "open to anyone who reaches it" in risk["store"] and "mq signs what it writes" in risk["store"]
+    assert "logs one warning" in risk["warning"]
+    result = runner.invoke(doctor.doctor, [])
+    assert result.exit_code == 0, result.output
+    condensed = "".join(c for c in result.output if not c.isspace() and c != "│")  # rich wraps
+    for text in risk.values():
+        assert "".join(text.split()) in condensed
+
+
 def test_doctor_with_gpus_and_rdma(monkeypatch):
     runner, doctor = _doctor()
     monkeypatch.setattr(doctor, "local", lambda: RICH)

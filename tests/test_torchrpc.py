@@ -253,6 +253,99 @@ def test_launch_three_workers(tmp_path):
         assert text == f"torchrpc:cpu {(node - 1) % 3} {sorted({0, 1, 2} - {node})}"
 
 
+# ---------------------------------------------------------------------- what TensorPipe leaves open
+_ONE_NODE = """
+import logging, sys
+import mq
+logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+options = {"socket_ifname": sys.argv[2]} if len(sys.argv) > 2 else {}
+with mq.create("torchrpc:cpu", 0, world_size=1, init_method=sys.argv[1], timeout=30, **options):
+    pass
+"""
+
+
+def _routable_interface() -> str | None:
+    """An interface other than lo with an IPv4 address, for TensorPipe to listen on."""
+    import fcntl
+    import socket
+    import struct
+
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if name != "lo":
+            return name
+    return None
+
+
+def test_which_listen_addresses_other_hosts_can_reach(monkeypatch):
+    import socket
+
+    from mq.backends.torchrpc import _reachable_listen
+
+    assert _reachable_listen("lo") is None
+    assert _reachable_listen("eth0") == "interface eth0"
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")  # no TP_SOCKET_IFNAME: the host name's
+    assert _reachable_listen(None) is None
+    monkeypatch.setattr(socket, "gethostname", lambda: "192.0.2.7")
+    assert _reachable_listen(None) == "the address of host name 192.0.2.7 (TensorPipe's default)"
+
+
+@pytest.mark.timeout(180)
+def test_a_node_listening_beyond_loopback_warns_once_and_a_loopback_one_does_not():
+    import subprocess
+    import sys
+
+    ifname = _routable_interface()
+    runs = {"loopback": [tcp()]} | ({"routable": [tcp(), ifname]} if ifname else {})
+    procs = {k: subprocess.Popen([sys.executable, "-c", _ONE_NODE, *argv], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for k, argv in runs.items()}
+    try:
+        out = {k: p.communicate(timeout=150) for k, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    assert all(p.returncode == 0 for p in procs.values()), out
+    assert "listens on" not in out["loopback"][1], out["loopback"][1]
+    if not ifname:
+        pytest.skip("no interface but lo has an IPv4 address here: only loopback was checked")
+    warnings = [line for line in out["routable"][1].splitlines() if "listens on" in line]
+    assert len(warnings) == 1, out["routable"][1]
+    assert warnings[0].startswith(f"mq.torchrpc WARNING node 0: torch RPC listens on interface {ifname},")
+    assert "mq doctor" in warnings[0] and "use nng" in warnings[0]
+
+
+def test_a_forged_store_entry_is_refused_and_logged(tmp_path, caplog):
+    """What mq reads from a rendezvous store (torchrpc's localities, nng's addresses) is checked
+    against the job secret before anything decodes it; a forged value stops the node and leaves
+    one warning line (tests/test_trust.py checks the refusal of each)."""
+    import msgpack
+    import torch.distributed as dist
+
+    from mq import auth
+    from mq.rendezvous import open_entry, sign_entry
+
+    secret = auth.resolve_secret("the-jobs-real-secret")
+    stranger = auth.Secret(b"a-strangers-guess", "explicit")
+    assert open_entry(secret, sign_entry(secret, {"a": 1}), "an entry") == {"a": 1}
+    with pytest.raises(mq.ProtocolError, match="not signed"):
+        open_entry(secret, auth.seal(stranger, b"\xc1 not msgpack either"), "an entry")
+    path = tmp_path / "store"
+    dist.FileStore(str(path), 2).set("mq/torchrpc/locality/1", sign_entry(stranger, {"locality": {}}))
+    q = mq.create("torchrpc:cpu", 0, world_size=2, init_method=f"file://{path}", timeout=5, secret=secret.key)
+    with caplog.at_level("WARNING", logger="mq.rendezvous"), pytest.raises(mq.ProtocolError, match="not signed"):
+        q.listen()
+    assert not q.running
+    refused = [r.getMessage() for r in caplog.records if r.name == "mq.rendezvous"]
+    assert [m.partition(":")[0] for m in refused] == ["refused an entry", "refused node 1's locality"], refused
+    assert all("not signed with this job's secret" in m for m in refused)
+
+
 # ---------------------------------------------------------------------- configuration errors
 def test_device_map_with_torchrpc_cpu_is_a_config_error():
     with pytest.raises(mq.ConfigError, match="torchrpc:cuda"):
