@@ -29,7 +29,8 @@ import pickle
 import struct
 import time
 import sys
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, Callable, NamedTuple
 
 import msgpack
 import numpy as np
@@ -238,6 +239,9 @@ class Codec:
                 f"cannot send a numpy array of dtype {arr.dtype}: object arrays would need "
                 "pickling; convert to a numeric dtype or pass allow_pickle=True"
             )
+        if not arr.dtype.itemsize:
+            raise EncodeError(f"cannot send a numpy array of dtype {arr.dtype!r}: its items have "
+                              "no bytes (give the string or void type a length, e.g. 'S8')")
         shape = list(arr.shape)  # ascontiguousarray turns 0-d into 1-d: keep the real shape
         arr = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
         buffers.append(arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8))
@@ -301,8 +305,8 @@ class Codec:
         else:
             dtype_str, shape, index = msgpack.unpackb(data)
             dtype = np.dtype(dtype_str)
-            if dtype.hasobject:
-                raise ProtocolError(f"refusing numpy dtype {dtype_str!r} with object fields")
+            if dtype.hasobject or not dtype.itemsize:  # zero-size items: any shape, no bytes
+                raise ProtocolError(f"refusing numpy dtype {dtype_str!r} (object fields or items of 0 bytes)")
             buf = _buffer_at(buffers, index)
             _check_size(shape, dtype.itemsize, len(buf))
             if len(_NDARRAY_META) >= _TREES_MAX:
@@ -393,6 +397,27 @@ _NOTHING_SHARED: frozenset[int] = frozenset()
 _ENVELOPE_FIELDS = 10  # VERSION, kind, topic, sender, seq, corr, tree, sizes, descs, sent_at
 
 
+class _EachOnce(Sequence):
+    """A frame's buffers, each of which the payload tree may name once: the encoder never names
+    one twice, and a tree naming a 1 MiB buffer a thousand times would decode to a GiB of
+    copies (3 bytes of frame each)."""
+
+    __slots__ = ("_buffers", "_taken")
+
+    def __init__(self, buffers: Sequence[Any]):
+        self._buffers = buffers
+        self._taken: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def __getitem__(self, index: Any) -> Any:
+        if index in self._taken:
+            raise ProtocolError(f"payload names buffer {index} twice")
+        self._taken.add(index)
+        return self._buffers[index]
+
+
 class _TreeReader:
     """Turns one frame's payload tree back into objects: the ext hook msgpack calls for every
     extension value, with the frame's buffers at hand and the tuple nesting counted, so a
@@ -402,7 +427,7 @@ class _TreeReader:
 
     def __init__(self, codec: Codec, buffers: Sequence[Any], shared: Any):
         self.codec = codec
-        self.buffers = buffers
+        self.buffers = _EachOnce(buffers)
         self.shared = shared
         self.depth = 0
 

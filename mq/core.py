@@ -7,6 +7,7 @@ counting, routes and the shm data path. Data flows one way::
     publish/send/call -> codec.pack -> data path per peer (inline | shm descriptor)
         -> transport.send(peer, frame) -> wire
     wire -> transport I/O thread -> MQ.on_frame -> codec.decode (shm views) -> queue | handler
+    (a link that has not authenticated yet: -> MQ.on_handshake -> mq.handshake.parse, only)
 
 Joining: a node greets each target its transport names (``attach_to`` addresses, or the ranks of
 a torch RPC group) with HELLO (node id, labels, subscriptions, addresses, locality, its pool).
@@ -187,7 +188,6 @@ class MQ:
         self._refusal: ConfigError | None = None  # a member refused our join, and said why
         self._pending: dict[tuple[int, str], tuple[bytes, Peer, float]] = {}  # joins awaiting LINK
         self._hostile_log = RateLimitedLog(log, f"node {node_id}: refused or dropped")
-        self._oversized = 0  # frames over a size limit this node itself dropped
         self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
         self._beat: threading.Thread | None = None
         self._targets: list[Any] = []  # what the transport told us to greet
@@ -751,7 +751,6 @@ class MQ:
             self._stats.shm = dict(self._pool.stats,
                                    peers_mapped_bytes=sum(r.mapped_bytes for r in readers),
                                    descriptors_refused=sum(r.refused for r in readers))
-        self._stats.dropped_oversized = self._oversized + self.transport.native_drops().get("oversized", 0)
         return self._stats
 
     # ------------------------------------------------------------------ joining
@@ -875,10 +874,15 @@ class MQ:
             if target is None or now - self._refusals_sent.get(peer_id, -_REGREET_S) < _REGREET_S:
                 return
             self._refusals_sent[peer_id] = now
-        try:
-            self.transport.greet(target, self._encode(HELLO_ACK, "", answer), info["token"])
-        except (MQError, OSError) as exc:
-            log.debug("node %d: could not tell node %d it was refused: %s", self.node_id, peer_id, exc)
+        frame = self._encode(HELLO_ACK, "", answer)
+
+        def tell() -> None:  # a greeting may wait for its target (inproc): not on the I/O thread
+            try:
+                self.transport.greet(target, frame, info["token"])
+            except (MQError, OSError) as exc:
+                log.debug("node %d: could not tell node %d it was refused: %s", self.node_id, peer_id, exc)
+
+        threading.Thread(target=tell, daemon=True, name=f"mq{self.node_id}-refusal").start()
 
     def _on_ack(self, env: Envelope, link: Any) -> None:
         """Our HELLO was answered: check the proof, then the responder is a peer."""
@@ -984,7 +988,8 @@ class MQ:
             route = select_route(self.locality, remote, supported=supported, peer=peer_id,
                                  same_process=same_process)
         except ConfigError as exc:  # e.g. protocol=ipc towards another host: say so, use tcp
-            log.error("node %d: %s; using tcp to node %d", self.node_id, exc, peer_id)
+            # (rate-limited: a stranger's HELLOs, unproven yet, get here too)
+            self._hostile_log("route", f"node {self.node_id}: {exc}; using tcp to node {peer_id}")
             route = select_route(self.locality, remote, supported={"tcp"}, peer=peer_id)
         if route.gpudirect and "nvlink" not in supported:  # this transport stages GPU tensors
             route = replace(route, gpudirect=False)
@@ -1160,7 +1165,7 @@ class MQ:
 
     def on_dropped(self, why: str, cause: str = "malformed") -> None:
         if cause == "oversized":
-            self._oversized += 1
+            self._stats.dropped_oversized += 1
         else:
             self._stats.dropped_malformed += 1
         self._hostile_log(cause, f"node {self.node_id}: dropped a {cause} frame: {why}")

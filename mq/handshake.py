@@ -95,6 +95,8 @@ class _Envelope(msgspec.Struct, array_like=True):
 _SCHEMAS = {HELLO: Greeting, HELLO_ACK: Greeting, LINK: LinkProof}
 _DECODERS = {kind: msgspec.msgpack.Decoder(schema) for kind, schema in _SCHEMAS.items()}
 _ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+# What msgspec raises for bytes that are no such value (invalid UTF-8 surfaces as itself).
+_UNDECODABLE = (msgspec.MsgspecError, RecursionError, UnicodeDecodeError)
 
 
 class Handshake(NamedTuple):
@@ -123,7 +125,7 @@ def parse(frame: Any) -> Handshake:
                       "match it (a handshake frame carries no buffers)")
     try:
         head = _ENVELOPE.decode(view[4:])
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except _UNDECODABLE as exc:
         raise Refused("handshake_malformed", f"not a handshake envelope: {exc}") from None
     if head.version != VERSION:
         raise Refused("handshake_version", f"frame version {head.version}, this node speaks {VERSION}")
@@ -141,7 +143,7 @@ def check(kind: int, sender: int, tree: Any) -> dict[str, Any]:
             payload = _DECODERS[kind].decode(tree)
         else:
             payload = msgspec.convert(tree, _SCHEMAS[kind])
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+    except _UNDECODABLE as exc:
         raise Refused("handshake_malformed", f"malformed {KIND_NAMES[kind]}: {exc}") from None
     if payload.node_id != sender:
         raise Refused("handshake_malformed", f"a {KIND_NAMES[kind]} of node {payload.node_id} "

@@ -146,8 +146,3 @@ class Transport:
         """What to ``greet`` to reach a node that said HELLO (``info``, unproven) without
         connecting to it: core tells a node it refuses why. None: this transport cannot."""
         return None
-
-    def native_drops(self) -> dict[str, int]:
-        """Frames the underlying library dropped before this transport saw them, by cause
-        (``oversized``); counted by the library, read here for :meth:`mq.core.MQ.stats`."""
-        return {}

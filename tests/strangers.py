@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 import pynng
@@ -84,8 +85,21 @@ def send_as_strangers(addresses: dict[str, str], family: str, frames: list[bytes
         s = stranger(addresses, family)
         try:
             s.send(frame)
-            if family in ("unix", "tcplink"):  # refused, then closed by the node: we read EOF
-                s.sock.settimeout(5)
-                assert s.sock.recv(16) == b""
+            closed_by_node(s)
         finally:
             s.close()
+
+
+def closed_by_node(s: Any, timeout: float = 5.0) -> None:
+    """Wait until the node closed this stranger's connection (it refused what came on it)."""
+    if isinstance(s, pynng.Socket):  # its pipe goes (closing ours earlier could lose the frame)
+        deadline = time.monotonic() + timeout
+        while s.pipes and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not s.pipes, "the node kept the connection of a refused frame"
+    else:  # a link: we read EOF (or a reset: the node closed it with our bytes unread)
+        s.sock.settimeout(timeout)
+        try:
+            assert s.sock.recv(16) == b""
+        except ConnectionResetError:
+            pass

@@ -628,12 +628,6 @@ class NngTransport(Transport):
         except ProtocolError as exc:  # from splitting: on_frame reports its own
             node.on_dropped(f"frame in a message from {link}: {exc}", exc.cause)
 
-    def native_drops(self) -> dict[str, int]:
-        # NNG drops a message over recv_max_size and closes its pipe, counting it as an "other"
-        # error of the listener it came through (it has no counter of its own for size).
-        sock = self._inbox_sock
-        return {"oversized": _listener_errors(sock, b"other")} if sock is not None else {}
-
 
 class _Outbox:
     """One peer's outgoing pipe. A frame goes straight to NNG while the link is idle (its
@@ -816,23 +810,6 @@ def _send_msg(sock: pynng.Socket, frame: Frame) -> None:
     if rv != 0:
         lib.nng_msg_free(msg)  # on failure the message is still ours
         check_err(rv)
-
-
-def _listener_errors(sock: pynng.Socket, name: bytes) -> int:
-    """The sum of NNG's error counter ``name`` over the listeners of ``sock`` (0 if closed)."""
-    stats = ffi.new("nng_stat **")
-    if lib.nng_stats_get(stats) != 0:
-        return 0
-    try:
-        total = 0
-        for listener in list(sock.listeners):
-            node = lib.nng_stat_find_listener(stats[0], listener.listener)
-            found = lib.nng_stat_find(node, name) if node != ffi.NULL else ffi.NULL
-            if found != ffi.NULL:
-                total += lib.nng_stat_value(found)
-        return total
-    finally:
-        lib.nng_stats_free(stats[0])
 
 
 def _msg_view(msg: Any) -> memoryview:
