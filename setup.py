@@ -2,6 +2,11 @@
 
 from setuptools import setup
 
+# The coverage-guided fuzzer (scripts/fuzz). Its wheels exist for CPython <= 3.11 on x86-64 Linux
+# only; elsewhere pip would try to build it with clang's libFuzzer, so it is left out there and
+# scripts/fuzz falls back to a bounded hypothesis run (and says so).
+ATHERIS = 'atheris>=2.3; python_version < "3.12" and sys_platform == "linux" and platform_machine == "x86_64"'
+
 setup(
     name="mq",
     version="0.1.0",
@@ -19,13 +24,14 @@ setup(
         "prometheus_client>=0.17",
         "torch>=2.2",
         "python-hostlist>=1.23",  # Slurm hostlist expansion (mq.platforms)
+        "msgspec>=0.18",  # the handshake schemas (mq.handshake)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90"],
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", ATHERIS],
         "bench": ["matplotlib>=3.7", "pyzmq>=25"],
         "gpu": ["nvidia-ml-py>=12"],
         "atari": ["gymnasium>=1.0", "ale-py>=0.12"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", "matplotlib>=3.7", "pyzmq>=25", "ruff"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", ATHERIS, "matplotlib>=3.7", "pyzmq>=25", "ruff"],
     },
     entry_points={"console_scripts": ["mq=mq.cli.main:main"]},
 )

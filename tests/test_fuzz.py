@@ -1,7 +1,11 @@
 """Fuzzing (hypothesis, bounded for CI): the frame decoder only ever raises ProtocolError, and
-the join handshake fed arbitrary frames never crashes a node and never admits a peer."""
+the join handshake fed arbitrary frames never crashes a node and never admits a peer. The
+fuzz targets of tests/fuzz/ run here too, on mutations of their seeds: where atheris is not
+installed, this is what fuzzes them in the test suite (scripts/fuzz runs them longer)."""
 
 from __future__ import annotations
+
+import os
 
 import msgpack
 import pytest
@@ -11,6 +15,8 @@ from hypothesis import strategies as st
 import mq
 from mq.codec import HELLO, HELLO_ACK, LINK, VERSION, Codec, Frame
 from mq.errors import ProtocolError
+from tests.fuzz import NAMES, targets
+from tests.fuzz.run import hypothesis_inputs, read_corpus
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,3 +73,20 @@ def test_arbitrary_handshake_frames_never_crash_or_admit(node, kind, sender, pay
     frame = Codec().encode(kind, "", sender, 0, 0, payload)
     node.on_frame(frame.header, [memoryview(bytes(b)) for b in frame.buffers], ("inproc", "stranger"))
     assert node.peers() == [] and node.running
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mutated_seeds_of_each_fuzz_target_raise_only_protocol_errors(name):
+    corpus = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuzz", "corpus", name)
+    seeds = read_corpus(corpus, "seed-") + [seed for make in [targets.DYNAMIC_SEEDS.get(name)] if make
+                                             for seed in make()]
+
+    @FUZZ
+    @given(hypothesis_inputs(name, seeds))
+    def run(data: bytes) -> None:
+        targets.TARGETS[name](data)
+
+    try:
+        run()
+    finally:
+        targets.close()
