@@ -46,7 +46,7 @@ def setup_extras() -> set[str]:
         if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "setup":
             for kw in call.keywords:
                 if kw.arg == "extras_require":
-                    return set(ast.literal_eval(kw.value))
+                    return {ast.literal_eval(key) for key in kw.value.keys}  # values may name constants
     raise AssertionError("setup.py has no setup(extras_require=...)")
 
 
