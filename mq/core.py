@@ -879,7 +879,7 @@ class MQ:
         def tell() -> None:  # a greeting may wait for its target (inproc): not on the I/O thread
             try:
                 self.transport.greet(target, frame, info["token"])
-            except (MQError, OSError) as exc:
+            except Exception as exc:  # the address is the unproven HELLO's: any library may refuse it
                 log.debug("node %d: could not tell node %d it was refused: %s", self.node_id, peer_id, exc)
 
         threading.Thread(target=tell, daemon=True, name=f"mq{self.node_id}-refusal").start()
