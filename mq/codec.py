@@ -639,7 +639,7 @@ def _common_buffer(v: Any, vt: type, index: int, keep_tensors: bool, buffers: li
     """The ExtType of one contiguous CPU tensor or numeric numpy array (appending its buffer),
     or None when the general encoder must look at it."""
     if vt is np.ndarray:
-        if not (v.flags.c_contiguous and v.size and v.ndim) or v.dtype.hasobject:
+        if not (v.flags.c_contiguous and v.nbytes and v.ndim) or v.dtype.hasobject:
             return None
         key: Any = (_EXT_NDARRAY, v.dtype.str, v.shape, index)
         buffers.append(v.reshape(-1).view(np.uint8))

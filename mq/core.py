@@ -1122,7 +1122,7 @@ class MQ:
         Raises:
             ProtocolError: the frame is malformed or refused (counted).
         """
-        if link not in self._links:
+        if not self.trusts(link):
             # Decode nothing a link sends before it joined. Its sender may still be joining
             # (its LINK frame not handled yet): the request comes again as an ordinary frame,
             # which the handshake parser refuses unless the join finished first.

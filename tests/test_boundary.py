@@ -109,6 +109,16 @@ def test_a_sender_is_told_before_sending_tuples_nested_too_deep():
         Codec().encode(MSG, "t", 0, 0, 0, payload)
 
 
+def test_a_sender_is_told_before_sending_what_a_receiver_refuses():
+    """Each bound the receiver enforces on a member is an EncodeError at the sender, naming the fix."""
+    import numpy as np
+
+    with pytest.raises(mq.EncodeError, match=r"items have no bytes \(give the string or void type a length"):
+        Codec().encode(MSG, "t", 0, 0, 0, np.zeros(3, dtype=[]))  # (numpy makes "S0" "S1")
+    with pytest.raises(mq.EncodeError, match=r"cannot send 65537 arrays.*at most 65536\): split it, or stack them"):
+        Codec().encode(MSG, "t", 0, 0, 0, [np.zeros(1, np.uint8)] * 65537)
+
+
 @pytest.mark.parametrize("surface", SURFACES)
 def test_oversized_frames_are_counted_on_every_surface(victim, surface):
     """The victim accepts frames of at most 1 MiB, and at most handshake.MAX_FRAME before a
