@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import time
+import threading
 from typing import Any
 
 import pynng
@@ -38,7 +38,11 @@ def stranger(addresses: dict[str, str], family: str) -> Any:
         return UnixStranger(address)
     if family == "tcplink":
         return TcpStranger(address)
-    s = pynng.Push0(send_timeout=2000)
+    # No redial: a node that closed our pipe must see no second connection from us (a redial
+    # within a polling interval also hid the close from closed_by_node).
+    s = pynng.Push0(send_timeout=2000, reconnect_time_min=3_600_000, reconnect_time_max=3_600_000)
+    s.closed_by_node = threading.Event()
+    s.add_post_pipe_remove_cb(lambda pipe: s.closed_by_node.set())
     s.dial(address, block=True)
     return s
 
@@ -93,10 +97,7 @@ def send_as_strangers(addresses: dict[str, str], family: str, frames: list[bytes
 def closed_by_node(s: Any, timeout: float = 5.0) -> None:
     """Wait until the node closed this stranger's connection (it refused what came on it)."""
     if isinstance(s, pynng.Socket):  # its pipe goes (closing ours earlier could lose the frame)
-        deadline = time.monotonic() + timeout
-        while s.pipes and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert not s.pipes, "the node kept the connection of a refused frame"
+        assert s.closed_by_node.wait(timeout), "the node kept the connection of a refused frame"
     else:  # a link: we read EOF (or a reset: the node closed it with our bytes unread)
         s.sock.settimeout(timeout)
         try:
