@@ -1,5 +1,6 @@
-"""Rendezvous: nodes publish their addresses through a key-value store so nobody writes
-attach lists by hand.
+"""Rendezvous: nodes publish what peers need to know through a key-value store, so nobody
+writes attach lists by hand. The one exchange every backend uses: nng publishes its addresses,
+torchrpc its locality descriptor (before ``init_rpc``, which fixes TensorPipe's transports).
 
 ``init_method`` forms (the same as torch.distributed):
 
@@ -7,7 +8,7 @@ attach lists by hand.
 - ``env://`` — MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the environment.
 - ``file:///shared/path`` — a torch FileStore on a filesystem every node sees.
 
-Each node writes ``mq/<run>/<node_id>`` = msgpack(info), signed with the job secret
+Each node writes ``<run>/<node_id>`` = msgpack(info), signed with the job secret
 (:func:`sign_entry`: anyone who reaches the store can write it), and waits for the others; it
 then dials the peers its topology names (:func:`attach_targets`).
 """
@@ -25,8 +26,7 @@ import msgpack
 
 from mq.auth import seal, unseal
 from mq.errors import ConfigError, ProtocolError, Timeout
-
-TOPOLOGIES = ("mesh", "star", "alone")
+from mq.options import TOPOLOGIES, check_choice
 
 log = logging.getLogger("mq.rendezvous")
 
@@ -79,8 +79,7 @@ def parse_init_method(init_method: str, environ: Mapping[str, str] | None = None
 def attach_targets(node_id: int, node_ids: list[int], topology: str) -> list[int]:
     """Which peers a node dials: mesh dials every lower id (each pair once), star dials the
     lowest id (the hub), alone dials nobody."""
-    if topology not in TOPOLOGIES:
-        raise ConfigError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
+    check_choice(topology, "topology", TOPOLOGIES)
     ids = sorted(node_ids)
     if topology == "mesh":
         return [i for i in ids if i < node_id]
@@ -90,10 +89,25 @@ def attach_targets(node_id: int, node_ids: list[int], topology: str) -> list[int
 
 
 class Rendezvous:
-    """One node's handle on the store; node 0 hosts a TCP store and keeps it while it runs."""
+    """One node's handle on the store; node 0 hosts a TCP store and keeps it while it runs.
+
+    Args:
+        init_method: where the store is (see the module docstring).
+        node_id: this node's rank in the store.
+        world_size: how many nodes write; default: ``WORLD_SIZE`` of ``env://``.
+        timeout: seconds to reach the store, and for every node to write.
+        run: the key prefix (one per kind of entry).
+        shared: open the store the way ``torch.distributed``'s own rendezvous does (a
+            multi-tenant TCPStore), so a later ``init_rpc`` on the same address shares node 0's
+            server instead of binding the port twice.
+
+    Raises:
+        ConfigError: a bad ``init_method`` or ``world_size``, or node 0 cannot host the store.
+        Timeout: the store could not be reached within ``timeout``.
+    """
 
     def __init__(self, init_method: str, node_id: int, world_size: int | None, *, timeout: float,
-                 run: str = "mq"):
+                 run: str = "mq", shared: bool = False):
         spec = parse_init_method(init_method)
         self.world_size = world_size if world_size is not None else spec.world_size
         if not self.world_size or self.world_size < 1:
@@ -102,32 +116,54 @@ class Rendezvous:
         if not 0 <= node_id < self.world_size:
             raise ConfigError(f"node_id {node_id} must be in [0, world_size={self.world_size}) with init_method")
         self.node_id = node_id
+        self.init_method = init_method
         self.timeout = timeout
         self.prefix = f"{run}/"
-        import torch.distributed as dist  # heavy: only when rendezvous is used
+        try:
+            self.store = _open_store(spec, init_method, node_id, self.world_size, timeout, shared)
+        except (RuntimeError, ValueError, OSError) as exc:
+            text = str(exc)
+            if "address already in use" in text.lower() or "EADDRINUSE" in text:
+                raise ConfigError(f"node {node_id}: cannot host the rendezvous store at "
+                                  f"{init_method}: the port is in use; pick a free port") from None
+            first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+            raise Timeout(f"node {node_id}: rendezvous at {init_method} failed within {timeout:g}s: "
+                          f"{first} (is node 0 running, with the same init_method and "
+                          "world_size?)") from exc
 
-        if spec.scheme == "file":
-            self.store = dist.FileStore(spec.path, self.world_size)
-        else:
-            try:
-                self.store = dist.TCPStore(spec.host, spec.port, self.world_size, node_id == 0,
-                                           timeout=timedelta(seconds=timeout), wait_for_workers=False,
-                                           use_libuv=True)
-            except (RuntimeError, ValueError) as exc:
-                raise Timeout(f"rendezvous at {init_method} failed for node {node_id}: {exc}") from exc
-
-    def exchange(self, info: dict[str, Any], secret: Any = None) -> dict[int, dict[str, Any]]:
+    def exchange(self, info: dict[str, Any], secret: Any = None) -> dict[int, Any]:
         """Publish ``info`` and return every node's info by node id. With the job ``secret``
-        (:class:`mq.auth.Secret`) values are signed, and a value a stranger planted is refused."""
+        (:class:`mq.auth.Secret`) values are signed, and a value a stranger planted is refused.
+
+        Raises:
+            Timeout: a node did not write within ``timeout`` (the message names them).
+            ProtocolError: an entry is not signed with the job's secret.
+        """
         self.store.set(f"{self.prefix}{self.node_id}", sign_entry(secret, info))
         keys = [f"{self.prefix}{i}" for i in range(self.world_size)]
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout))
-        except RuntimeError as exc:
-            missing = [k for k in keys if not self.store.check([k])]
-            raise Timeout(f"rendezvous: {missing} did not register within {self.timeout:g}s "
-                          f"(world_size={self.world_size}): are all nodes started?") from exc
+        except RuntimeError:
+            missing = [str(i) for i, k in enumerate(keys) if not self.store.check([k])]
+            raise Timeout(f"node {self.node_id}: nodes {', '.join(missing)} did not join the rendezvous "
+                          f"within {self.timeout:g}s (world_size={self.world_size}, init_method="
+                          f"{self.init_method}): are all nodes started?") from None
         return {i: open_entry(secret, self.store.get(k), f"rendezvous entry {k}") for i, k in enumerate(keys)}
+
+
+def _open_store(spec: InitMethod, init_method: str, node_id: int, world_size: int, timeout: float,
+                shared: bool) -> Any:
+    import torch.distributed as dist  # heavy: only when rendezvous is used
+
+    wait = timedelta(seconds=timeout)
+    if shared:
+        store = next(dist.rendezvous(init_method, rank=node_id, world_size=world_size, timeout=wait))[0]
+        store.set_timeout(wait)
+        return store
+    if spec.scheme == "file":
+        return dist.FileStore(spec.path, world_size)
+    return dist.TCPStore(spec.host, spec.port, world_size, node_id == 0, timeout=wait,
+                         wait_for_workers=False, use_libuv=True)
 
 
 def sign_entry(secret: Any, info: Any) -> bytes:

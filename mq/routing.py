@@ -25,7 +25,9 @@ costs speed, not correctness.
 
 Every viability test is symmetric (the same verdict for ``(a, b)`` and ``(b, a)``), so both
 ends of a link pick the same route kind without talking about it, as TensorPipe's
-``canCommunicateWithRemote`` contract requires.
+``canCommunicateWithRemote`` contract requires. The facts routes are built from
+(:func:`known_same`, :func:`across_containers`, :func:`p2p_pair`) serve backends that must make
+the same judgements about their own engines.
 
 A backend passes the route kinds it can carry as ``supported``; where the table says a route
 the backend lacks, the next viable one is taken and the reason says which better one was
@@ -46,8 +48,11 @@ __all__ = [
     "ROUTE_KINDS",
     "Route",
     "explain",
+    "across_containers",
+    "known_same",
+    "p2p_pair",
+    "rdma_ports_text",
     "select_route",
-    "tensorpipe_options",
 ]
 
 #: Every route kind, fastest first. ``nvlink`` only ever carries GPU payloads.
@@ -63,10 +68,6 @@ BACKEND_ROUTES: Mapping[str, frozenset[str]] = {
 
 _CPU_CANDIDATES = ("inproc", "shm", "ipc", "rdma", "tcp")
 _GPU_CANDIDATES = ("inproc", "nvlink", "shm", "ipc", "rdma", "tcp")
-
-# TensorPipe's own names, in its priority order.
-_TP_TRANSPORTS = ("shm", "ibv", "uv")
-_TP_CHANNELS = ("cuda_ipc", "cuda_gdr", "cuda_basic", "cma", "mpt_uv", "basic")
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,9 @@ class Route:
     gpudirect: bool = False
 
 
-def _same(a: object, b: object) -> bool:
-    # Unknown (None) never matches: routing must not assume what it could not read.
+def known_same(a: object, b: object) -> bool:
+    """``a == b`` where both are known: an unknown fact (None) never matches, so routing never
+    assumes what it could not read."""
     return a is not None and a == b
 
 
@@ -99,9 +101,9 @@ class _Pair:
 
     def __init__(self, a: Locality, b: Locality, same_process: bool | None):
         self.a, self.b = a, b
-        self.same_boot = _same(a.boot_id, b.boot_id)
+        self.same_boot = known_same(a.boot_id, b.boot_id)
         if same_process is None:
-            same_process = self.same_boot and _same(a.pid, b.pid) and _same(a.pid_ns, b.pid_ns)
+            same_process = self.same_boot and known_same(a.pid, b.pid) and known_same(a.pid_ns, b.pid_ns)
         self.same_process = same_process
 
     def host_why(self) -> str | None:
@@ -121,7 +123,7 @@ def _shm(p: _Pair) -> tuple[bool, str]:
     why = p.host_why()
     if why:
         return False, why
-    if not _same(p.a.ipc_ns, p.b.ipc_ns):
+    if not known_same(p.a.ipc_ns, p.b.ipc_ns):
         return False, "same host but different IPC namespace: no shared memory"
     return True, "same boot id and IPC namespace: shared memory"
 
@@ -130,14 +132,14 @@ def _ipc(p: _Pair) -> tuple[bool, str]:
     why = p.host_why()
     if why:
         return False, why
-    if not _same(p.a.net_ns, p.b.net_ns):
+    if not known_same(p.a.net_ns, p.b.net_ns):
         return False, "same host but different network namespace: unix sockets unreachable"
-    if not _same(p.a.mnt_ns, p.b.mnt_ns):
+    if not known_same(p.a.mnt_ns, p.b.mnt_ns):
         return False, "same host but different mount namespace: a unix socket path is not visible"
     return True, "same boot id, network and mount namespace: unix socket"
 
 
-def _across_containers(a: Locality, b: Locality) -> str | None:
+def across_containers(a: Locality, b: Locality) -> str | None:
     """Why CUDA IPC would break between ``a`` and ``b`` because of containers, or None.
 
     CUDA IPC handles are only usable from processes the driver can see as neighbours; across
@@ -149,7 +151,7 @@ def _across_containers(a: Locality, b: Locality) -> str | None:
     ids = (a.container.container_id, b.container.container_id)
     if all(ids) and ids[0] != ids[1]:
         return f"across containers ({ids[0][:12]} vs {ids[1][:12]}): CUDA IPC breaks there"
-    differ = [ns for ns in ("pid_ns", "mnt_ns") if not _same(getattr(a, ns), getattr(b, ns))]
+    differ = [ns for ns in ("pid_ns", "mnt_ns") if not known_same(getattr(a, ns), getattr(b, ns))]
     if differ:
         names = " and ".join(ns.replace("_ns", "") for ns in differ)
         runtime = a.container.runtime or b.container.runtime
@@ -157,7 +159,7 @@ def _across_containers(a: Locality, b: Locality) -> str | None:
     return None
 
 
-def _p2p_pair(a: Locality, b: Locality) -> tuple[str, str] | None:
+def p2p_pair(a: Locality, b: Locality) -> tuple[str, str] | None:
     """A (uuid on a, uuid on b) pair CUDA IPC can join, or None.
 
     The same physical GPU seen from both sides always works; otherwise either side's P2P
@@ -181,10 +183,10 @@ def _nvlink(p: _Pair) -> tuple[bool, str]:
         return False, "no GPU on this node"
     if not p.b.gpus:
         return False, "no GPU on the peer"
-    why = _across_containers(p.a, p.b)
+    why = across_containers(p.a, p.b)
     if why:
         return False, why
-    pair = _p2p_pair(p.a, p.b)
+    pair = p2p_pair(p.a, p.b)
     if pair is None:
         return False, "no GPU pair with peer-to-peer access between the two processes"
     if pair[0] == pair[1]:
@@ -192,16 +194,17 @@ def _nvlink(p: _Pair) -> tuple[bool, str]:
     return True, f"same host, {pair[0]} <-> {pair[1]} have P2P access: CUDA IPC"
 
 
-def _ports(loc: Locality) -> str:
+def rdma_ports_text(loc: Locality) -> str:
+    """Every RDMA port of ``loc`` and its state, for reasons ("mlx5_0:1 DOWN")."""
     return ", ".join(f"{d.name}:{p.port} {p.state}" for d in loc.rdma for p in d.ports) or "no RDMA device"
 
 
 def _rdma(p: _Pair) -> tuple[bool, str]:
-    active_a, active_b = p.a.active_rdma_ports(), p.b.active_rdma_ports()
+    active_a, active_b = p.a.active_rdmardma_ports_text(), p.b.active_rdmardma_ports_text()
     if not active_a:
-        return False, f"no ACTIVE RDMA port on this node ({_ports(p.a)})"
+        return False, f"no ACTIVE RDMA port on this node ({rdma_ports_text(p.a)})"
     if not active_b:
-        return False, f"no ACTIVE RDMA port on the peer ({_ports(p.b)})"
+        return False, f"no ACTIVE RDMA port on the peer ({rdma_ports_text(p.b)})"
     layers_a = {port.link_layer for _, port in active_a}
     layers_b = {port.link_layer for _, port in active_b}
     # An unknown link layer ("") is given the benefit of the doubt; a known mismatch
@@ -324,112 +327,3 @@ def explain(route: Route) -> str:
     to = f"peer {route.peer}" if route.peer is not None else "peer"
     gpu = route.gpu + (" + GPUDirect" if route.gpudirect else "")
     return f"{to}: {route.kind} (GPU: {gpu}) because {route.reason}"
-
-
-def tensorpipe_options(
-    local: Locality,
-    remote_by_peer: Mapping[int, Locality],
-    *,
-    cuda: bool,
-    socket_ifname: str | None = None,
-    busy_poll: bool = True,
-) -> dict[str, object]:
-    """TensorPipe transports and channels that can work for this node and its peers.
-
-    TensorPipe picks a transport and channels per pipe from one node-wide list, matching
-    peers by its own domain descriptors (mostly the boot id). Listing a transport or channel
-    that cannot work for a peer it nevertheless matches makes the pipe fail instead of falling
-    back, so this list drops what the descriptors say would break: ``shm`` when no peer shares
-    our IPC namespace, ``ibv`` without an ACTIVE port here, ``cuda_ipc`` when a same-host peer
-    is in another container, ``cuda_gdr`` where GPUDirect RDMA is impossible.
-
-    Args:
-        local: this node's descriptor.
-        remote_by_peer: each peer's descriptor, by node id.
-        cuda: the backend moves CUDA tensors (``torchrpc:cuda``); False drops CUDA channels.
-        socket_ifname: network interface TensorPipe's TCP transport should bind to.
-        busy_poll: allow TensorPipe's ``shm`` transport, whose reactor thread spins: one CPU
-            core per process for as long as the agent runs, idle or not. Without it same-host
-            frames take loopback TCP (``uv``), slower per message but asleep when idle.
-
-    Returns:
-        ``{"_transports": [...], "_channels": [...], "env": {...}, "dropped": {name: why}}``;
-        pass the first two to ``TensorPipeRpcBackendOptions`` and set ``env`` before
-        ``init_rpc``.
-
-    Raises:
-        ConfigError: ``socket_ifname`` is not an interface of this node.
-    """
-    peers = list(remote_by_peer.values())
-    dropped: dict[str, str] = {}
-
-    def same_host(r: Locality) -> bool:
-        return _same(local.boot_id, r.boot_id)
-
-    def same_ipc(r: Locality) -> bool:
-        return same_host(r) and _same(local.ipc_ns, r.ipc_ns)
-
-    transports = []
-    if not any(same_ipc(r) for r in peers):
-        dropped["shm"] = "no peer shares this node's boot id and IPC namespace"
-    elif not busy_poll:
-        dropped["shm"] = "busy_poll=False (TensorPipe's shm transport spins a CPU core per process)"
-    else:
-        transports.append("shm")
-    if local.active_rdma_ports():
-        transports.append("ibv")
-    else:
-        dropped["ibv"] = f"no ACTIVE RDMA port on this node ({_ports(local)})"
-    transports.append("uv")
-
-    channels = []
-    if cuda and local.gpus:
-        blocked = [_across_containers(local, r) for r in peers if same_host(r)]
-        blocked = [why for why in blocked if why]
-        if blocked:
-            # TensorPipe matches cuda_ipc by boot id alone: it would pick it for the
-            # cross-container peer too, and fail there.
-            dropped["cuda_ipc"] = blocked[0]
-        elif not any(same_ipc(r) and r.gpus and _p2p_pair(local, r) for r in peers):
-            dropped["cuda_ipc"] = "no same-host peer with a P2P-capable GPU pair"
-        else:
-            channels.append("cuda_ipc")
-        if not local.active_rdma_ports():
-            dropped["cuda_gdr"] = "no ACTIVE RDMA port on this node"
-        elif local.peermem is False:
-            dropped["cuda_gdr"] = "nvidia_peermem not loaded on this node"
-        elif not any(r.gpus and r.active_rdma_ports() and r.peermem is not False for r in peers):
-            dropped["cuda_gdr"] = "no peer with both a GPU and an ACTIVE RDMA port"
-        else:
-            channels.append("cuda_gdr")
-        channels.append("cuda_basic")
-    elif cuda:
-        for name in ("cuda_ipc", "cuda_gdr", "cuda_basic"):
-            dropped[name] = "no GPU on this node"
-    else:
-        for name in ("cuda_ipc", "cuda_gdr", "cuda_basic"):
-            dropped[name] = "CPU-only backend (cuda=False)"
-    if any(same_host(r) and _same(local.pid_ns, r.pid_ns) for r in peers):
-        channels.append("cma")
-    else:
-        dropped["cma"] = "no peer shares this node's boot id and PID namespace"
-    if any(not same_host(r) for r in peers):
-        channels.append("mpt_uv")
-    else:
-        dropped["mpt_uv"] = "every peer is on this host"
-    channels.append("basic")
-
-    env: dict[str, str] = {}
-    if socket_ifname:
-        if local.interfaces and socket_ifname not in local.interfaces:
-            raise ConfigError(
-                f"socket_ifname {socket_ifname!r} is not a network interface of this node; "
-                f"it has: {', '.join(local.interfaces)}"
-            )
-        env["TP_SOCKET_IFNAME"] = socket_ifname
-    return {
-        "_transports": [t for t in _TP_TRANSPORTS if t in transports],
-        "_channels": [c for c in _TP_CHANNELS if c in channels],
-        "env": env,
-        "dropped": dropped,
-    }

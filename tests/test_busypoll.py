@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from mq.backends.busypoll import BusyPoll
+from mq.backends.nng.busypoll import BusyPoll
 
 
 class Source:

@@ -1,4 +1,4 @@
-"""nng's own links (mq.backends.unixlink: unix SEQPACKET on one host; mq.backends.tcplink: TCP
+"""nng's own links (mq.backends.links.unix: unix SEQPACKET on one host; mq.backends.links.tcp: TCP
 records between hosts): framing on real kernel sockets, hostile datagrams and records, a frame cut
 off by a timeout, and the nng transport choosing the link per peer, falling back to NNG's own
 sockets where a link cannot be opened."""
@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 import mq
-from mq.backends import tcplink, unixlink
+from mq.backends.links import tcp as tcplink
+from mq.backends.links import unix as unixlink
+from mq.backends.links.base import Sender
 from mq.codec import MSG, Codec, split
 from mq.errors import ProtocolError
 from mq.testing import wait_until
@@ -345,7 +347,7 @@ def test_a_link_port_that_cannot_be_reached_falls_back_to_nng_tcp(firewall):
 def test_links_off_or_batching_use_nng_sockets(protocol, options):
     node = mq.create("nng", 0, protocol=protocol, timeout=5, **options)
     with node, peer_of(node, MQ_TEST_PROTOCOL=protocol):
-        assert not isinstance(node.transport._out[1], unixlink.Sender)
+        assert not isinstance(node.transport._out[1], Sender)
         assert ("unix" in node.addresses) == options.get("unix_links", True)
         assert ("tcplink" in node.addresses) == options.get("tcp_links", True)
         assert node.call(1, "echo", 7, timeout=5) == 7

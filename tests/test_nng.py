@@ -19,7 +19,7 @@ import pytest
 import mq
 from tests.strangers import send_as_strangers
 from mq.testing import wait_until
-from mq.backends.nng import check_address
+from mq.backends.nng.options import check_address
 from mq.launch import free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -318,7 +318,7 @@ def test_peer_sigkilled_mid_stream_fails_the_sender_fast(batching_node):
     assert time.monotonic() - t0 < 4
 
 
-# Busy polling (mq.backends.busypoll): a waiter spins only while answers come within the window,
+# Busy polling (mq.backends.nng.busypoll): a waiter spins only while answers come within the window,
 # a bounded time per wait, and never with busy_poll=False. Counted, not timed.
 LINKS = {"own links": {}, "NNG sockets only": {"unix_links": False, "tcp_links": False}}
 

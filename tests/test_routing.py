@@ -18,8 +18,8 @@ from mq.routing import (
     Route,
     explain,
     select_route,
-    tensorpipe_options,
 )
+from mq.backends.torchrpc.tensorpipe import tensorpipe_options
 
 pytestmark = pytest.mark.timeout(30)
 

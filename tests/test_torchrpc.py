@@ -284,7 +284,7 @@ def _routable_interface() -> str | None:
 def test_which_listen_addresses_other_hosts_can_reach(monkeypatch):
     import socket
 
-    from mq.backends.torchrpc import _reachable_listen
+    from mq.backends.torchrpc.tensorpipe import reachable_listen as _reachable_listen
 
     assert _reachable_listen("lo") is None
     assert _reachable_listen("eth0") == "interface eth0"
@@ -371,12 +371,13 @@ def test_torchrpc_cuda_without_gpu_is_a_config_error():
     ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "local_cuda_devices": [0, 0]}, "twice"),
 ])
 def test_bad_options_are_config_errors(options, match):
-    from mq.backends.torchrpc import TorchRpcTransport
+    from mq.backends.torchrpc.options import TorchRpcOptions
+    from mq.backends.torchrpc.transport import TorchRpcTransport
 
     options = dict(options)
     node_id = options.pop("node_id", 0)
     with pytest.raises(mq.ConfigError, match=match):
-        TorchRpcTransport(node_id, **options)
+        TorchRpcTransport(node_id, TorchRpcOptions(**options))
 
 
 # ---------------------------------------------------------------------- GPUs

@@ -18,8 +18,8 @@
 INSTRUMENTED = {
     "handshake": ("mq.handshake",),
     "codec": ("mq.codec",),
-    "unixlink": ("mq.backends.unixlink",),
-    "tcplink": ("mq.backends.tcplink", "mq.backends.unixlink"),
+    "unixlink": ("mq.backends.links.unix", "mq.backends.links.base"),
+    "tcplink": ("mq.backends.links.tcp", "mq.backends.links.base"),
     "shm": ("mq.shm",),
 }
 NAMES = tuple(INSTRUMENTED)

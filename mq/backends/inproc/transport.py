@@ -13,41 +13,33 @@ import itertools
 import queue
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any
 
+from mq.backends.inproc.options import SCHEME as _SCHEME
+from mq.backends.inproc.options import InprocOptions
 from mq.codec import Frame, split
 from mq.errors import ConfigError, PeerLost, ProtocolError, Timeout
 from mq.routing import Route
 from mq.transport import Events, Transport
 
-_SCHEME = "inproc://"
 _REGISTRY: dict[str, "InprocTransport"] = {}
 _REGISTRY_LOCK = threading.Lock()
 _names = itertools.count()
 
 
 class InprocTransport(Transport):
-    """The ``inproc`` mq type's transport.
-
-    Args:
-        listen_to: ``inproc://name`` (default: a fresh unique name).
-        attach_to: names of nodes in this process to join.
-        inbox_size: frames waiting in the inbox before senders wait (backpressure).
-    """
+    """The ``inproc`` mq type's transport; its options are :class:`InprocOptions`."""
 
     name = "inproc"
     routes = frozenset({"inproc"})
+    Options = InprocOptions
 
-    def __init__(self, node_id: int, *, listen_to: str | None = None, attach_to: Iterable[str] = (),
-                 inbox_size: int = 64, timeout: float = 30.0):
+    def __init__(self, node_id: int, options: InprocOptions, *, timeout: float = 30.0):
         self.node_id = node_id
-        self.address = _check(listen_to or f"{_SCHEME}node-{node_id}-{next(_names)}", "listen_to")
-        self.attach_to = [_check(a, "attach_to address") for a in
-                          ([a for a in attach_to.split(",") if a] if isinstance(attach_to, str) else attach_to)]
-        if not isinstance(inbox_size, int) or inbox_size < 1:
-            raise ConfigError(f"inbox_size must be an int >= 1, got {inbox_size!r}")
+        self.address = options.listen_to or f"{_SCHEME}node-{node_id}-{next(_names)}"
+        self.attach_to = list(options.attach_to)
+        self._inbox: queue.Queue = queue.Queue(options.inbox_size)
         self.addresses: dict[str, str] = {}
-        self._inbox: queue.Queue = queue.Queue(inbox_size)
         self._links: dict[int, InprocTransport] = {}
         self._node: Events | None = None
         self._thread: threading.Thread | None = None
@@ -135,8 +127,3 @@ class InprocTransport(Transport):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-
-def _check(address: Any, what: str) -> str:
-    if not isinstance(address, str) or not address.startswith(_SCHEME) or len(address) <= len(_SCHEME):
-        raise ConfigError(f"{what} {address!r} must look like inproc://name")
-    return address

@@ -1,26 +1,23 @@
-"""NNG transport (pynng): one inbox per node, one outgoing pipe per peer.
+"""The ``nng`` mq type's transport: NNG for joining, mq's own links for the data by default.
 
-Why not a Bus0 socket: a bus drops messages when a receiver is slow. Here every node listens
-with a Pull0 inbox and dials each peer with its own Push0 socket, so each sender->receiver pair
-is one ordered stream, and a full receiver stops reading, which blocks the sender up to its
-timeout (backpressure) instead of dropping.
+Every node listens with a Pull0 inbox (NNG) on its advertised port and on abstract/inproc
+addresses, and, by default, on a unix SEQPACKET link and a TCP link of mq's own
+(:mod:`mq.backends.links`). Why not a Bus0 socket: a bus drops messages when a receiver is
+slow. Each sender->receiver pair is one ordered stream, and a full receiver stops reading,
+which blocks the sender up to its timeout (backpressure) instead of dropping.
 
-Joining (driven by :class:`mq.core.MQ`): ``greet`` dials an ``attach_to`` address with a
-short-lived bootstrap socket and sends HELLO; ``connect`` opens the outgoing socket on the route
-core chose: ``inproc`` inside one process, a unix SEQPACKET link (:mod:`mq.backends.unixlink`,
-one hop where NNG's ipc takes three) for ``ipc`` and ``shm`` (the link carries control frames
-and descriptors, the pool carries the bytes), and for ``tcp`` a TCP link of mq's own
-(:mod:`mq.backends.tcplink`, one hop where NNG's tcp takes three) to the port the peer
-advertised in its HELLO, or NNG's tcp where that port cannot be reached, TLS is on or batching
-was asked for. The bootstrap socket closes once the peer's own link is up. Every link of our
-own is read by the same threads as the NNG inbox: the I/O thread, or a ``recv()`` caller,
-waits in one ``poll()`` on all of them.
+Joining (driven by :class:`mq.core.MQ`): ``greet`` dials an ``attach_to`` address (or a peer
+found through the rendezvous, :mod:`mq.rendezvous`) with a short-lived bootstrap NNG socket
+and sends HELLO; ``connect`` opens the outgoing link on the route core chose: ``inproc`` inside
+one process, a unix link (one hop where NNG's ipc takes three) for ``ipc`` and ``shm`` (the link
+carries control frames and descriptors, the pool carries the bytes), and for ``tcp`` a TCP link
+to the port the peer advertised in its HELLO, or NNG's tcp where that port cannot be reached,
+TLS is on or batching was asked for (:class:`mq.backends.nng.outbox.Outbox`). The bootstrap
+socket closes once the peer's own link is up. Every link is read by the same threads as the NNG
+inbox: the I/O thread, or a ``recv()`` caller, waits in one ``poll()`` on all of them.
 
-Frames use the contiguous layout of :mod:`mq.codec`, written straight into NNG messages; received
-messages are split in place: arrays and tensors are views of NNG's buffer, freed with the last
-view. A frame goes to NNG at once while its pipe is free; behind a busy pipe, frames wait in the
-peer's outbox (``send_buffer`` of them before ``send`` waits) and small ones leave many to one
-NNG message, back to back in the same layout, so a stream pays NNG's per-message cost per batch.
+Liveness is core's heartbeat; a link whose peer hangs up is reported at once (``on_link_lost``).
+Frames on NNG use :mod:`mq.backends.nng.wire`; options are :class:`mq.backends.nng.options.NngOptions`.
 """
 
 from __future__ import annotations
@@ -31,142 +28,68 @@ import select
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import pynng
 from pynng import ffi, lib
 from pynng.exceptions import check_err
 
 from mq import handshake
-from mq.backends import tcplink, unixlink
-from mq.backends.busypoll import BusyPoll
-from mq.codec import ALIGN, ZERO_PAD, Frame, split, split_batch
-from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError, Timeout
+from mq.backends.links import tcp as tcplink
+from mq.backends.links import unix as unixlink
+from mq.backends.links.base import Sender
+from mq.backends.nng.busypoll import BusyPoll
+from mq.backends.nng.options import NngOptions, check_address
+from mq.backends.nng.outbox import Outbox
+from mq.backends.nng.wire import msg_view, send_msg
+from mq.codec import ALIGN, Frame, split, split_batch
+from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError
 from mq.locality import local
 from mq.rendezvous import Rendezvous, attach_targets
-from mq.routing import Route
+from mq.routing import BACKEND_ROUTES, Route
 from mq.transport import Events, Transport
 
 log = logging.getLogger("mq.nng")
 
-SUPPORTED_ROUTES = ("inproc", "ipc", "tcp")
 # After a recv() caller leaves, the I/O thread waits this long before reading for itself.
 _CALLER_GRACE_S = 0.002
 _MAX_LINKS = 1024  # accepted unix and tcp links kept at once (peers, and strangers)
 _LINK_CONNECT_S = 2.0  # a tcp link not open by then (a firewall drops it): NNG's tcp instead
-_SCHEMES = ("tcp://", "tls+tcp://", "ipc://", "abstract://", "inproc://")
-# Behind a busy pipe, frames up to this size share one NNG message, up to BATCH_BYTES a message.
-BATCH_FRAME_MAX = 16 << 10
-BATCH_BYTES = 256 << 10
-
-
-def check_address(address: str, what: str = "address") -> str:
-    """Validate an NNG address such as ``tcp://127.0.0.1:50515``; returns it unchanged."""
-    if not isinstance(address, str) or not address.startswith(_SCHEMES):
-        raise ConfigError(f"{what} {address!r} must start with one of {', '.join(_SCHEMES)} "
-                          "(e.g. tcp://127.0.0.1:50515)")
-    if address.startswith(("tcp://", "tls+tcp://")):
-        host, sep, port = address.partition("://")[2].rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(f"{what} {address!r} needs a host and a port 0-65535, e.g. tcp://127.0.0.1:50515")
-    elif address.rstrip("/").endswith(("ipc:", "abstract:", "inproc:")) or address.endswith("://"):
-        raise ConfigError(f"{what} {address!r} needs a path or name after the scheme")
-    return address
 
 
 class NngTransport(Transport):
-    """The ``nng`` mq type's transport. See :func:`mq.create` for the common options.
-
-    Args:
-        listen_to: this node's TCP address (``tcp://host:port``). Default: an ephemeral port on
-            127.0.0.1 (peers on other hosts then cannot dial back: give a routable address).
-        attach_to: addresses of peers to join. The peers dial back, so one side is enough.
-        protocol: ``auto`` (best route per peer: ``shm`` on the same host), ``tcp`` or ``ipc``
-            (force that socket for every peer except peers in this process, bytes included).
-        send_buffer: frames queued per peer behind a busy pipe before ``send`` waits.
-        batch_window: seconds (opt-in, e.g. ``100e-6``). A frame sent to a peer this soon
-            after the previous one, with nothing received meanwhile (a stream, not
-            request/reply), queues behind it and leaves batched from the peer's flusher thread;
-            0 (the default) batches only behind a full pipe.
-        init_method: ``tcp://host:port``, ``env://`` or ``file://path``: find peers through a
-            rendezvous store instead of ``attach_to`` (needs ``world_size``).
-        topology: with ``init_method``, which peers to dial: ``mesh``, ``star`` or ``alone``.
-        tls: ``{"cert": path, "key": path, "ca": path}`` (PEM files): links between hosts use
-            TLS (``tls+tcp://``), both ends proving a certificate signed by ``ca``. Same-host
-            routes (shm, ipc, inproc) do not leave the host and stay as they are.
-        unix_links: same-host peers (routes ``shm`` and ``ipc``) talk over unix SEQPACKET
-            sockets, where a frame wakes the receiving thread directly (about half the round
-            trip of NNG's ipc for small messages); False: NNG's ipc socket (the only one that
-            batches, see ``batch_window``). Both ends must have it on; else NNG's ipc is used.
-        tcp_links: peers on other hosts (route ``tcp``) talk over TCP sockets of mq's own
-            (:mod:`mq.backends.tcplink`: one thread hop per frame where NNG's tcp takes three),
-            on an ephemeral port of ``listen_to``'s interface advertised in the handshake; NNG's
-            port stays the one peers join at. Where that port cannot be reached, where TLS is
-            on, or with ``batch_window`` set (batching is NNG's), NNG's tcp carries the frames.
-        busy_poll: a thread waiting in ``recv()`` or ``call()`` polls its links without
-            sleeping for up to 0.5 ms before it sleeps, while its recent waits were that short
-            (:mod:`mq.backends.busypoll`): a prompt answer is found without the cost of waking
-            a sleeping thread (about half a small same-host round trip). False: every wait
-            sleeps at once (an idle CPU stays idle).
-    """
+    """The ``nng`` mq type's transport; its options are :class:`NngOptions`, the common ones
+    :func:`mq.create`'s."""
 
     name = "nng"
+    Options = NngOptions
 
-    def __init__(self, node_id: int, *, listen_to: str | None = None, attach_to: Iterable[str] = (),
-                 protocol: str = "auto", send_buffer: int = 64, batch_window: float = 0.0,
-                 init_method: str | None = None,
-                 world_size: int | None = None, topology: str = "mesh", tls: Any = None,
-                 unix_links: bool = True, tcp_links: bool = True, busy_poll: bool = True,
-                 timeout: float = 30.0):
-        if protocol not in ("auto", "tcp", "ipc"):
-            raise ConfigError(f"protocol must be auto, tcp or ipc, got {protocol!r}")
+    def __init__(self, node_id: int, options: NngOptions, *, timeout: float = 30.0):
         self.node_id = node_id
-        self.listen_to = check_address(listen_to, "listen_to") if listen_to else "tcp://127.0.0.1:0"
-        if self.listen_to.startswith("tls+"):  # TLS is the tls= option's business; the address is tcp
-            if tls is None:
-                raise ConfigError(f"listen_to {listen_to!r} wants TLS: give tls={{'cert':..., 'key':..., 'ca':...}}")
-            self.listen_to = self.listen_to[len("tls+"):]
-        if not self.listen_to.startswith("tcp://"):
-            raise ConfigError(f"listen_to {listen_to!r} must be a tcp:// address (ipc and inproc "
-                              "addresses are made by mq itself)")
-        if isinstance(attach_to, str):
-            attach_to = [a for a in attach_to.split(",") if a]
-        if not hasattr(attach_to, "__iter__"):
-            raise ConfigError(f"attach_to must be a list of addresses such as "
-                              f"['tcp://10.0.0.1:50515'], got {attach_to!r}")
-        self.attach_to = [check_address(a, "attach_to address") for a in attach_to]
-        self.protocol = protocol
-        self.routes = frozenset({"inproc", "ipc", "tcp"} if protocol == "auto" else {"inproc", protocol})
-        self.shm_ok = protocol == "auto"  # a forced protocol means that socket, bytes included
+        self.options = options
+        self.listen_to = options.listen_to
+        self.attach_to = list(options.attach_to)
+        self.protocol = options.protocol
+        auto = options.protocol == "auto"
+        self.routes = BACKEND_ROUTES["nng"] if auto else frozenset({"inproc", options.protocol})
+        self.shm_ok = auto  # a forced protocol means that socket, bytes included
         self.timeout = timeout
-        self.rendezvous = Rendezvous(init_method, node_id, world_size, timeout=timeout) if init_method else None
-        attach_targets(node_id, [], topology)  # validates the topology name early
-        self.topology = topology
-        if not isinstance(send_buffer, int) or send_buffer < 1:
-            raise ConfigError(f"send_buffer must be an int >= 1, got {send_buffer!r}")
-        self.send_buffer = send_buffer
-        if type(batch_window) not in (int, float) or not 0 <= batch_window <= 0.01:
-            raise ConfigError(f"batch_window must be seconds between 0 and 0.01 (e.g. 100e-6), "
-                              f"got {batch_window!r}")
-        self.batch_window = float(batch_window)
-        if type(unix_links) is not bool:
-            raise ConfigError(f"unix_links must be True or False, got {unix_links!r}")
-        self.unix_links = unix_links
-        if type(tcp_links) is not bool:
-            raise ConfigError(f"tcp_links must be True or False, got {tcp_links!r}")
-        self.tcp_links = tcp_links and tls is None
+        self.rendezvous = (Rendezvous(options.init_method, node_id, options.world_size, timeout=timeout)
+                           if options.init_method else None)
+        self.send_buffer = options.send_buffer
+        self.batch_window = options.batch_window
+        self.unix_links = options.unix_links
+        self.tcp_links = options.tcp_links and options.tls is None
         self.connect_may_block = self.tcp_links  # a tcp link's connect waits up to _LINK_CONNECT_S
-        if type(busy_poll) is not bool:
-            raise ConfigError(f"busy_poll must be True or False, got {busy_poll!r}")
-        self.busy_poll = BusyPoll(busy_poll)
+        self.busy_poll = BusyPoll(options.busy_poll)
+        self._tls = options.tls_files
         self.received = 0  # NNG messages taken off the inbox: the outboxes tell streams from replies
         self.incarnation = uuid.uuid4().hex
-        self._tls = _tls_files(tls)
         self.addresses: dict[str, str] = {}
         self._node: Events | None = None
         self._state = "new"
         self._inbox_sock: pynng.Pull0 | None = None
-        self._out: dict[int, _Outbox] = {}
+        self._out: dict[int, Outbox] = {}
         self._out_incarnation: dict[int, Any] = {}
         self._bootstrap: dict[str, pynng.Push0] = {}  # greeting token -> its socket
         self._bootstrap_to: dict[str, str] = {}  # target -> its latest greeting token
@@ -185,7 +108,7 @@ class NngTransport(Transport):
         self._unix_listener: Any = None
         self._listeners: dict[int, tuple[Any, Any]] = {}
         self._inbound: dict[int, Any] = {}
-        self._watched: dict[int, tuple[int, unixlink.Sender]] = {}
+        self._watched: dict[int, tuple[int, Sender]] = {}
         self._links_gen = 0
         self._pollers = threading.local()
 
@@ -231,7 +154,7 @@ class NngTransport(Transport):
         if self.rendezvous is not None:
             nodes = self.rendezvous.exchange({"addresses": dict(self.addresses)}, node.secret)
             targets += [nodes[peer]["addresses"]["tcp"]
-                        for peer in attach_targets(self.node_id, list(nodes), self.topology)]
+                        for peer in attach_targets(self.node_id, list(nodes), self.options.topology)]
         return targets
 
     def _advertised_tcp(self, listener: pynng.Listener) -> str:
@@ -306,7 +229,7 @@ class NngTransport(Transport):
         if old is not None:
             old.close()
         # The frame waits in the socket's buffer until the connection is up.
-        _send_msg(sock, frame)
+        send_msg(sock, frame)
 
     def reply_target(self, info: dict[str, Any]) -> str | None:
         address = (info.get("addresses") or {}).get("tcp")
@@ -326,7 +249,7 @@ class NngTransport(Transport):
         if own_tcp is not None and not (isinstance(own_tcp, str) and own_tcp.startswith("tcp://")
                                         and own_tcp.rpartition(":")[2].isdigit()):
             raise ProtocolError(f"node {peer} advertised a malformed tcp link address {own_tcp!r}")
-        link: unixlink.Sender | None = None
+        link: Sender | None = None
         if (unix or own_tcp) and not self._is_current(peer, info):
             try:  # outside the lock: a peer slow to accept must not hold up every other link
                 if unix is not None:
@@ -376,13 +299,13 @@ class NngTransport(Transport):
         """Take ``peer``'s outgoing link out of the tables (``_net_lock`` held); the caller closes it."""
         box = self._out.pop(peer, None)
         self._out_incarnation.pop(peer, None)
-        if isinstance(box, unixlink.Sender) and self._watched.pop(box.fd, None) is not None:
+        if isinstance(box, Sender) and self._watched.pop(box.fd, None) is not None:
             self._links_gen += 1
         return box
 
-    def _dial_peer(self, peer_id: int, address: str) -> "_Outbox":
+    def _dial_peer(self, peer_id: int, address: str) -> "Outbox":
         sock = self._push(address, send_buffer_size=self.send_buffer)
-        box = _Outbox(sock, self.send_buffer, f"mq{self.node_id}-to-{peer_id}", self.batch_window,
+        box = Outbox(sock, self.send_buffer, f"mq{self.node_id}-to-{peer_id}", self.batch_window,
                       lambda: self.received)
 
         def removed(_pipe: Any) -> None:
@@ -539,7 +462,7 @@ class NngTransport(Transport):
     def _outbound_lost(self, peer: int, fd: int | None = None) -> None:
         with self._net_lock:
             box = self._out.get(peer)
-            if not isinstance(box, unixlink.Sender) or (fd is not None and box.fd != fd):
+            if not isinstance(box, Sender) or (fd is not None and box.fd != fd):
                 box = None
             if fd is not None and self._watched.pop(fd, None) is not None:
                 self._links_gen += 1  # level-triggered: stop watching it, or poll() would spin
@@ -608,7 +531,7 @@ class NngTransport(Transport):
         self.received += 1
         pipe = lib.nng_msg_get_pipe(msg)
         link = ("pipe", lib.nng_pipe_id(pipe))
-        message = _msg_view(msg)
+        message = msg_view(msg)
         node = self._node
         assert node is not None
         start = 0
@@ -629,191 +552,3 @@ class NngTransport(Transport):
             node.on_dropped(f"frame in a message from {link}: {exc}", exc.cause)
 
 
-class _Outbox:
-    """One peer's outgoing pipe. A frame goes straight to NNG while the link is idle (its
-    latency is one NNG send). Behind a busy pipe, or in a stream (a frame within
-    ``batch_window`` of the previous one, nothing received in between), frames queue here, at
-    most ``limit`` before ``send`` waits, and a flusher thread sends them in order, small ones
-    many to an NNG message (the contiguous layout back to back, :func:`mq.codec.split_batch`):
-    a stream pays NNG's per-message cost once per batch instead of once per frame.
-
-    Small queued frames are kept as bytes, not NNG messages: making one is a C call that lets
-    the flusher take the GIL, which splits a stream into batches of one or two."""
-
-    def __init__(self, sock: pynng.Push0, limit: int, name: str, batch_window: float = 0.0,
-                 received: Callable[[], int] = lambda: 0):
-        self.sock = sock
-        self.limit = limit
-        self.name = name
-        self.batch_window = batch_window
-        self.received = received  # the transport's count of messages received
-        self._last_sent = -1.0  # perf_counter() of the last send, and what had been received then
-        self._last_received = -1
-        self.cond = threading.Condition()
-        # Copies of the frames, oldest first: bytearrays (small, batched) or NNG messages (sent alone).
-        self.pending: list[Any] = []
-        self.flushing = False  # the flusher holds a batch taken from ``pending``
-        self.closed = False
-        self._flusher: threading.Thread | None = None
-        self._flusher_idle = False  # waiting for frames: a queued frame must wake it
-        self.queued = 0  # frames that went through ``pending`` (the rest went straight to NNG)
-
-    def send(self, peer: int, frame: Frame, timeout: float) -> None:
-        with self.cond:
-            streaming = False
-            if self.batch_window:  # off by default: no clock read per send then
-                now, received = time.perf_counter(), self.received()
-                streaming = now - self._last_sent < self.batch_window and received == self._last_received
-                self._last_sent, self._last_received = now, received
-            if not self.pending and not self.flushing and not self.closed and not streaming:
-                msg = _new_msg(frame)
-                rv = lib.nng_sendmsg(self.sock.socket, msg, lib.NNG_FLAG_NONBLOCK)
-                if rv == 0:
-                    return
-                if rv != lib.NNG_EAGAIN:
-                    lib.nng_msg_free(msg)  # on failure the message is still ours
-                    _raise_send_error(rv)
-                self._queue(msg)  # the pipe is busy (or still connecting)
-                return
-            if len(self.pending) >= self.limit:
-                deadline = time.monotonic() + timeout
-                while len(self.pending) >= self.limit and not self.closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise Timeout(f"node {peer} did not take the message within {timeout:g}s: its "
-                                      "queue is full (slow receiver) or it is unreachable; pass "
-                                      "timeout= to wait longer")
-                    self.cond.wait(left)
-            if self.closed:
-                raise ClosedError("the link was closed while sending (the queue is stopping)")
-            self._queue(frame.to_bytes() if frame.size <= BATCH_FRAME_MAX else _new_msg(frame))
-
-    def _queue(self, item: Any) -> None:
-        self.pending.append(item)
-        self.queued += 1
-        if self._flusher is None:
-            self._flusher = threading.Thread(target=self._flush_loop, daemon=True, name=self.name)
-            self._flusher.start()
-        elif self._flusher_idle:  # else it finds the frame when its send returns
-            self.cond.notify_all()
-
-    def _flush_loop(self) -> None:
-        # No send timeout: a blocking send with one arms NNG's timer thread per message; close()
-        # ends a send waiting on a peer that stopped reading.
-        self.sock.send_timeout = -1
-        while True:
-            with self.cond:
-                while not self.pending and not self.closed:
-                    self._flusher_idle = True
-                    self.cond.wait()
-                    self._flusher_idle = False
-                if self.closed:
-                    return
-                batch = self._take_batch()
-                self.flushing = True
-                self.cond.notify_all()  # room in ``pending`` for waiting senders
-            msg = _message_of(batch) if type(batch[0]) is bytearray else batch[0]
-            rv = lib.nng_sendmsg(self.sock.socket, msg, 0)
-            with self.cond:
-                self.flushing = False
-                self.cond.notify_all()
-                if rv != 0:
-                    lib.nng_msg_free(msg)
-                    if rv != lib.NNG_ECLOSED:
-                        log.warning("%s: dropped %d frame(s): %s", self.name, len(batch),
-                                    ffi.string(lib.nng_strerror(rv)).decode())
-                    self._close_locked()
-                    return
-
-    def _take_batch(self) -> list[Any]:
-        """The oldest pending frame, plus the small ones after it that fit one message."""
-        n = 1
-        if type(self.pending[0]) is bytearray:
-            total = len(self.pending[0])
-            for item in self.pending[1:]:
-                if type(item) is not bytearray:
-                    break
-                total = ((total + ALIGN - 1) & -ALIGN) + len(item)
-                if total > BATCH_BYTES:
-                    break
-                n += 1
-        batch, self.pending = self.pending[:n], self.pending[n:]
-        return batch
-
-    def close(self) -> None:
-        with self.cond:
-            self._close_locked()
-        self.sock.close()  # ends a flusher's send waiting on the peer
-
-    def _close_locked(self) -> None:
-        self.closed = True
-        for item in self.pending:
-            if type(item) is not bytearray:
-                lib.nng_msg_free(item)
-        self.pending = []
-        self.cond.notify_all()
-
-
-def _message_of(frames: list[bytearray]) -> Any:
-    """One NNG message holding ``frames`` back to back, each on a 64-byte boundary."""
-    size = 0
-    for f in frames:
-        size = ((size + ALIGN - 1) & -ALIGN) + len(f)
-    msgp = ffi.new("nng_msg **")
-    check_err(lib.nng_msg_alloc(msgp, size))
-    out = memoryview(ffi.buffer(lib.nng_msg_body(msgp[0]), size))
-    pos = 0
-    for f in frames:
-        start = (pos + ALIGN - 1) & -ALIGN
-        out[pos:start] = ZERO_PAD[:start - pos]  # no stale heap bytes on the wire
-        out[start:start + len(f)] = f
-        pos = start + len(f)
-    return msgp[0]
-
-
-def _raise_send_error(rv: int) -> None:
-    try:
-        check_err(rv)
-    except pynng.Closed:
-        raise ClosedError("the link was closed while sending (the queue is stopping)") from None
-
-
-def _tls_files(tls: Any) -> dict[str, str] | None:
-    """Read the PEM files named by the ``tls`` option; ConfigError naming what is wrong."""
-    if tls is None:
-        return None
-    if not isinstance(tls, dict) or set(tls) != {"cert", "key", "ca"}:
-        raise ConfigError(f"tls must be {{'cert': path, 'key': path, 'ca': path}} (PEM files), got {tls!r}")
-    out = {}
-    for name, path in tls.items():
-        try:
-            with open(path) as f:
-                out[name] = f.read()
-        except (OSError, TypeError) as exc:
-            raise ConfigError(f"tls {name} file {path!r} cannot be read: {exc}") from None
-    return out
-
-
-def _new_msg(frame: Frame) -> Any:
-    """A fresh NNG message holding the frame in the contiguous layout (one copy)."""
-    msgp = ffi.new("nng_msg **")
-    check_err(lib.nng_msg_alloc(msgp, frame.size))
-    msg = msgp[0]
-    frame.write_into(memoryview(ffi.buffer(lib.nng_msg_body(msg), frame.size)))
-    return msg
-
-
-def _send_msg(sock: pynng.Socket, frame: Frame) -> None:
-    """Hand the frame to NNG, waiting up to the socket's send timeout."""
-    msg = _new_msg(frame)
-    rv = lib.nng_sendmsg(sock.socket, msg, 0)
-    if rv != 0:
-        lib.nng_msg_free(msg)  # on failure the message is still ours
-        check_err(rv)
-
-
-def _msg_view(msg: Any) -> memoryview:
-    """A writable view of a received NNG message; the message is freed with the last view."""
-    size = lib.nng_msg_len(msg)
-    body = ffi.gc(lib.nng_msg_body(msg), lambda _p, m=msg: lib.nng_msg_free(m))
-    return memoryview(ffi.buffer(body, size))

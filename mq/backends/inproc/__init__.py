@@ -1,0 +1,7 @@
+"""The ``inproc`` backend: nodes of one process, the reference implementation of
+:mod:`mq.transport` that tests, docs and the conformance suite use.
+
+- :mod:`~mq.backends.inproc.options`: :class:`InprocOptions` and the ``inproc://name`` grammar.
+- :mod:`~mq.backends.inproc.transport`: :class:`InprocTransport` (its wire format: a frame
+  travels as the codec's contiguous layout, bytes, through a bounded in-process inbox).
+"""
