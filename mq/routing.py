@@ -200,7 +200,7 @@ def rdma_ports_text(loc: Locality) -> str:
 
 
 def _rdma(p: _Pair) -> tuple[bool, str]:
-    active_a, active_b = p.a.active_rdmardma_ports_text(), p.b.active_rdmardma_ports_text()
+    active_a, active_b = p.a.active_rdma_ports(), p.b.active_rdma_ports()
     if not active_a:
         return False, f"no ACTIVE RDMA port on this node ({rdma_ports_text(p.a)})"
     if not active_b:
