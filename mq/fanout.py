@@ -1,7 +1,7 @@
 """Fan-out across hosts: one transfer per host, not one per subscriber.
 
 ``publish`` of a large frame (inline bytes >= ``relay_min_bytes``) groups its subscribers by
-shared-memory domain (:meth:`mq.core.MQ.host_of`). Subscribers on this node's own domain, and
+shared-memory domain (:meth:`mq.MQ.host_of`). Subscribers on this node's own domain, and
 those whose domain is unknown, get the frame directly (same-host ones share one shm copy). For
 every other domain with subscribers, one of them (the lowest node id) is its **relay**: it gets
 the frame once, over its own link, as a RELAY frame carrying a *plan*, the subscribers it must
@@ -29,7 +29,7 @@ where ``plan`` is a list of entries, each a node id (a leaf: deliver, forward no
 receiver and its whole subtree have the message in their queues (or failed).
 
 Trust. A relayed message reaches the user as ``Message(topic, payload, sender=origin)``.
-RELAY frames are taken only on authenticated links (core drops anything else first), so a
+RELAY frames are taken only on authenticated links (dispatch drops anything else first), so a
 relay is always a member that proved the job secret. A receiver accepts origin ``o`` from link
 peer ``L`` only when ``o == L`` (the first hop), or ``o`` is a live authenticated peer of the
 receiver other than itself (a later hop). So a member can make a message appear to come from
@@ -69,15 +69,16 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import msgpack
 
-from mq.codec import MSG, RELAY, VERSION, Frame
+from mq.codec import MSG, RELAY, VERSION, Codec, Frame
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
-
-if TYPE_CHECKING:
-    from mq.core import MQ, Message
+from mq.lifecycle import Lifecycle
+from mq.peers import PeerTable
+from mq.sender import Sender
+from mq.stats import Refusals
 
 log = logging.getLogger("mq.fanout")
 
@@ -161,22 +162,37 @@ class _Failed(dict):
 
 
 class Fanout:
-    """The relay logic of one node (core holds one; see the module docstring).
+    """The relay logic of one node (see the module docstring).
 
     Args:
-        node: the :class:`mq.core.MQ` it works for.
+        node_id: this node's id; ``peers``, ``sender``: its peer table and sender.
+        ping: ``ping(peer, want=True, timeout=)`` asks a peer for its receipt (liveness).
+        deliver: ``deliver(topic, payload, origin, sent_at, nbytes, queued_bytes)`` puts a
+            message in this node's queues (:meth:`mq.delivery.Delivery.deliver`).
+        stalled: called while a full job queue blocks the I/O thread (liveness judges nobody).
         min_bytes: frames with fewer inline bytes are never relayed; None turns relaying off.
         shape: ``tree`` or ``star`` (see the module docstring).
+        keeps_tensors: the transport moves tensors itself (torch RPC): never relay.
+        timeout: the longest a relay works on one message.
     """
 
-    def __init__(self, node: "MQ", min_bytes: int | None = DEFAULT_RELAY_MIN_BYTES, shape: str = "tree"):
-        if min_bytes is not None and (type(min_bytes) is not int or min_bytes < 1):
-            raise ConfigError(f"relay_min_bytes must be an int >= 1 (bytes) or None (never relay), got {min_bytes!r}")
-        if shape not in RELAY_SHAPES:
-            raise ConfigError(f"relay_shape must be one of {', '.join(RELAY_SHAPES)}, got {shape!r}")
-        self.node = node
-        self.min_bytes = min_bytes
-        self.shape = shape
+    def __init__(self, node_id: int, peers: PeerTable, sender: Sender, codec: Codec, refusals: Refusals,
+                 life: Lifecycle, *, ping: Callable[..., None],
+                 deliver: Callable[[str, Any, int, float, int, int], None], stalled: Callable[[], None],
+                 min_bytes: int | None = DEFAULT_RELAY_MIN_BYTES, shape: str = "tree",
+                 keeps_tensors: bool = False, timeout: float = 30.0):
+        self.configure(min_bytes, shape)
+        self.node_id = node_id
+        self._peers = peers
+        self._sender = sender
+        self._codec = codec
+        self._refusals = refusals
+        self._life = life
+        self._ping = ping
+        self._deliver = deliver
+        self._stalled = stalled
+        self._keeps_tensors = keeps_tensors
+        self._timeout = timeout
         self.stats = {"relayed": 0, "forwarded": 0, "acks": 0, "fallback_direct": 0}
         self._ids = itertools.count(1)
         self._acks: dict[tuple[int, int], dict[int, tuple[str, str]] | None] = {}
@@ -185,19 +201,28 @@ class Fanout:
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
 
+    def configure(self, min_bytes: int | None, shape: str) -> None:
+        """Relay frames of at least ``min_bytes`` inline bytes (None: never), in ``shape``."""
+        if min_bytes is not None and (type(min_bytes) is not int or min_bytes < 1):
+            raise ConfigError(f"relay_min_bytes must be an int >= 1 (bytes) or None (never relay), got {min_bytes!r}")
+        if shape not in RELAY_SHAPES:
+            raise ConfigError(f"relay_shape must be one of {', '.join(RELAY_SHAPES)}, got {shape!r}")
+        self.min_bytes = min_bytes
+        self.shape = shape
+
     # ------------------------------------------------------------------ publisher side
     def plan(self, targets: list[int], frame: Frame) -> tuple[list[int], Plan] | None:
         """(direct targets, relay plan) for a publish, or None when relaying does not pay."""
-        node = self.node
         if self.min_bytes is None or frame.kind != MSG or frame.nbytes < self.min_bytes:
             return None
-        if node.transport.keeps_tensors:  # torch RPC moves tensors itself (and across devices)
+        if self._keeps_tensors:  # torch RPC moves tensors itself (and across devices)
             return None
-        mine = node.host_of(node.node_id)
+        host_of = self._peers.host_of
+        mine = host_of(self.node_id)
         by_host: dict[str, list[int]] = {}
         direct = []
         for t in targets:
-            h = node.host_of(t)
+            h = host_of(t)
             if h is None or h == mine:
                 direct.append(t)
             else:
@@ -223,11 +248,10 @@ class Fanout:
         if planned is None:
             return False
         direct, plan = planned
-        node = self.node
         relayed = [i for i in plan_ids(plan) if i not in {e[0] for e in plan}]
         self._confirm_direct(relayed, deadline)  # nothing sent earlier may be overtaken
         errors: list[MQError] = []
-        failed = self._forward(frame.head[2], frame.head[6], frame.buffers, node.node_id,
+        failed = self._forward(frame.head[2], frame.head[6], frame.buffers, self.node_id,
                                frame.head[9], plan, deadline, first_hop=frame)
         self.stats["relayed"] += 1
         skipped = [i for i, (cause, _) in failed.items() if cause == "skipped"]
@@ -238,7 +262,7 @@ class Fanout:
             self.stats["fallback_direct"] += len(skipped)
         if direct:
             try:
-                node._deliver_to(sorted(direct), frame, deadline)
+                self._sender.deliver_to(sorted(direct), frame, deadline)
             except MQError as exc:
                 errors.append(exc)
         if failed:
@@ -250,20 +274,20 @@ class Fanout:
     def _confirm_direct(self, peers: list[int], deadline: float) -> None:
         """Wait until each of ``peers`` confirmed every frame we sent it directly (only those
         with unconfirmed frames get a receipt ping)."""
-        node = self.node
+        table = self._peers.by_id
         wanted = {}
         for peer in peers:
-            p = node._peers.get(peer)
+            p = table.get(peer)
             if p is not None and not p.lost and p.tx > p.acked:
                 wanted[peer] = p.tx
-                node._ping(peer, want=True, timeout=max(0.0, deadline - time.monotonic()))
+                self._ping(peer, want=True, timeout=max(0.0, deadline - time.monotonic()))
         if not wanted:
             return
 
         def done() -> bool:
-            return all(node._peers[i].acked >= tx or node._peers[i].lost for i, tx in wanted.items())
+            return all(table[i].acked >= tx or table[i].lost for i, tx in wanted.items())
 
-        node._wait(done, max(0.0, deadline - time.monotonic()),
+        self._peers.wait(done, max(0.0, deadline - time.monotonic()),
                    lambda: f"subscribers {sorted(wanted)} did not confirm earlier messages in time")
 
     # ------------------------------------------------------------------ both sides
@@ -271,16 +295,15 @@ class Fanout:
                  plan: Plan, deadline: float, first_hop: Frame | None = None) -> _Failed:
         """Send one hop to every entry of ``plan`` and wait for their acks. Leaves (ints) share
         one frame, so same-host leaves share one shm copy. Returns who failed and why."""
-        node = self.node
         failed = _Failed()
         hop = next(self._ids)
         sends: list[tuple[list[int], Plan]] = []
         leaves = []
         for entry in plan:
             peer, below = (entry, []) if isinstance(entry, int) else (entry[0], entry[1])
-            p = node._peers.get(peer)
-            if peer == node.node_id or p is None or p.lost:
-                why = f"node {peer} is not a live peer of relay node {node.node_id}"
+            p = self._peers.get(peer)
+            if peer == self.node_id or p is None or p.lost:
+                why = f"node {peer} is not a live peer of relay node {self.node_id}"
                 failed.add([peer], "skipped", why)
                 failed.add(plan_ids(below), "skipped", f"its relay: {why}")
                 continue
@@ -295,15 +318,15 @@ class Fanout:
         for peers, below in sends:
             meta = {"o": origin, "id": hop, "to": below, "t": left, "at": sent_at}
             frame = self._hop_frame(topic, meta, tree, buffers, sent_at, first_hop)
-            with node._peers_changed:
+            with self._peers.changed:
                 for peer in peers:
                     self._acks[(peer, hop)] = None
             try:
-                node._deliver_to(peers, frame, deadline)
+                self._sender.deliver_to(peers, frame, deadline)
             except MQError as exc:
-                # _deliver_to stops at the first failure: peers after it were not sent to, but
+                # deliver_to stops at the first failure: peers after it were not sent to, but
                 # which ones is not known here, so none of them is "skipped".
-                with node._peers_changed:
+                with self._peers.changed:
                     for peer in peers:
                         self._acks.pop((peer, hop), None)
                 failed.add([i for peer in peers for i in [peer] + plan_ids(below)],
@@ -316,23 +339,21 @@ class Fanout:
 
     def _hop_frame(self, topic: str, meta: dict[str, Any], tree: bytes, buffers: list[Any],
                    sent_at: float, like: Frame | None) -> Frame:
-        node = self.node
         spliced = _splice(meta, tree)
         if like is not None:  # the publisher's MSG frame: same buffers, same sizes
-            head = [VERSION, RELAY, topic, node.node_id, like.head[4], 0, spliced, like.sizes, None, sent_at]
+            head = [VERSION, RELAY, topic, self.node_id, like.head[4], 0, spliced, like.sizes, None, sent_at]
             return Frame(RELAY, head, like.buffers, like.sizes)
-        built = Frame.build(RELAY, topic, node.node_id, next(node._seq), 0, spliced, buffers)
+        built = Frame.build(RELAY, topic, self.node_id, self._sender.next_seq(), 0, spliced, buffers)
         return Frame(RELAY, built.head[:9] + [sent_at], built.buffers, built.sizes)
 
     def _wait_acks(self, hop: int, waiting: list[tuple[int, list[int]]], deadline: float,
                    failed: _Failed) -> None:
-        node = self.node
         pending = dict(waiting)
 
         def done() -> bool:
             for peer, covers in list(pending.items()):
                 result = self._acks.get((peer, hop))
-                p = node._peers.get(peer)
+                p = self._peers.get(peer)
                 if result is not None:
                     for i, (cause, why) in result.items():
                         failed.add([i], cause, why)
@@ -346,14 +367,14 @@ class Fanout:
             return not pending
 
         try:
-            node._wait(done, max(0.0, deadline - time.monotonic()), lambda: "")
+            self._peers.wait(done, max(0.0, deadline - time.monotonic()), lambda: "")
         except (Timeout, ClosedError) as exc:
             cause = "timeout" if isinstance(exc, Timeout) else "error"
             for peer, covers in pending.items():
                 failed.add(covers, cause, f"node {peer} did not confirm in time" if cause == "timeout"
                            else str(exc))
         finally:
-            with node._peers_changed:
+            with self._peers.changed:
                 for peer in pending:
                     self._acks.pop((peer, hop), None)
 
@@ -361,108 +382,93 @@ class Fanout:
     def on_frame(self, env: Any) -> None:
         """A RELAY frame from an authenticated peer (core's I/O thread): an ack for one of our
         hops, or a message to deliver here and maybe forward."""
-        node = self.node
+        reject = self._refusals.reject
         body = env.payload
         meta = body[0] if isinstance(body, list) and len(body) == 2 and isinstance(body[0], dict) else None
         if meta is None:
-            node._reject("relay_plan", f"a malformed RELAY frame from node {env.sender}")
+            reject("relay_plan", f"a malformed RELAY frame from node {env.sender}")
             return
         if "ack" in meta:
             self._on_ack(env.sender, meta)
             return
         origin, hop, plan = meta.get("o"), meta.get("id"), meta.get("to", [])
         if type(origin) is not int or type(hop) is not int or not _valid_plan(plan):
-            node._reject("relay_plan", f"a RELAY frame with a bad plan from node {env.sender}")
+            reject("relay_plan", f"a RELAY frame with a bad plan from node {env.sender}")
             return
         if origin != env.sender:
-            p = node._peers.get(origin)
-            if origin == node.node_id or p is None or p.lost:
-                node._reject("relay_origin", f"node {env.sender} relayed a message claiming node "
+            p = self._peers.get(origin)
+            if origin == self.node_id or p is None or p.lost:
+                reject("relay_origin", f"node {env.sender} relayed a message claiming node "
                              f"{origin}, which is not a live peer here")
                 self._send_ack(env.sender, hop, _Failed())  # do not leave it waiting
                 return
         sent_at = meta.get("at") if isinstance(meta.get("at"), float) else env.sent_at
-        self._deliver_here(env.topic, body[1], origin, sent_at, env.nbytes)
+        # Delivered as a MSG, with the origin as sender (not counted as a frame of its link).
+        self._deliver(env.topic, body[1], origin, sent_at, env.nbytes, env.nbytes)
         if not plan:
             self._send_ack(env.sender, hop, _Failed())
             return
-        left = meta.get("t") if isinstance(meta.get("t"), (int, float)) else node.timeout
+        left = meta.get("t") if isinstance(meta.get("t"), (int, float)) else self._timeout
         job = (env.sender, hop, env.topic, body[1], origin, sent_at, plan,
-               time.monotonic() + min(max(0.0, float(left)), node.timeout))
+               time.monotonic() + min(max(0.0, float(left)), self._timeout))
         while True:  # a full job queue stops this I/O thread: backpressure on the sender
             try:
                 self._jobs.put(job, timeout=0.2)
                 break
             except queue.Full:
-                node._stalled_until = time.monotonic() + node.peer_timeout
-                if node._state != "listening":
+                self._stalled()
+                if not self._life.listening:
                     return
         self._start_worker()
 
-    def _deliver_here(self, topic: str, payload: Any, origin: int, sent_at: float, nbytes: int) -> None:
-        # Core's MSG delivery, with the origin as sender (not counted as a frame of its link).
-        from mq.core import Message
-
-        node = self.node
-        node._metrics.received(topic, nbytes)
-        msg: Message = Message(topic, payload, origin, sent_at)
-        with node._lock:
-            fn = node._subscriptions.get(topic)
-        if fn is not None:
-            node._put_blocking(node._handler_queue, (fn, msg), nbytes)
-        else:
-            node._put_blocking(node._inbox, msg, nbytes)
-
     def _on_ack(self, sender: int, meta: dict[str, Any]) -> None:
-        node = self.node
         raw = meta.get("failed")
         failed: dict[int, tuple[str, str]] = {}
         if isinstance(raw, dict):
             for k, v in raw.items():
                 if type(k) is int and isinstance(v, list) and len(v) == 2:
                     failed[k] = (str(v[0]), str(v[1]))
-        with node._peers_changed:
+        with self._peers.changed:
             key = (sender, meta.get("ack"))
             if key not in self._acks:
-                node._stats.dropped_unexpected_reply += 1  # after its publish gave up
+                self._refusals.stats.dropped_unexpected_reply += 1  # after its publish gave up
                 return
             self._acks[key] = failed  # type: ignore[index]
             for i, (cause, _) in failed.items():
                 if cause == "skipped":
                     self._unreachable.add((sender, i))
             self.stats["acks"] += 1
-            node._peers_changed.notify_all()
+            self._peers.changed.notify_all()
 
     def _send_ack(self, peer: int, hop: int, failed: _Failed) -> None:
-        node = self.node
         meta = {"ack": hop, "failed": {i: list(v) for i, v in failed.items()}}
         try:
-            node._deliver_to([peer], node._encode(RELAY, "", [meta, None]), time.monotonic() + _ACK_TIMEOUT_S)
+            self._sender.deliver_to([peer], self._sender.encode(RELAY, "", [meta, None]),
+                                    time.monotonic() + _ACK_TIMEOUT_S)
         except MQError as exc:
-            log.warning("node %d: could not confirm a relayed message to node %d: %s", node.node_id, peer, exc)
+            log.warning("node %d: could not confirm a relayed message to node %d: %s", self.node_id, peer, exc)
 
     def _start_worker(self) -> None:
         with self._lock:
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._work, daemon=True,
-                                                 name=f"mq{self.node.node_id}-relay")
+                                                 name=f"mq{self.node_id}-relay")
                 self._worker.start()
 
     def _work(self) -> None:
-        node = self.node
-        while node._state in ("new", "listening"):
+        while self._life.running:
             try:
                 upstream, hop, topic, payload, origin, sent_at, plan, deadline = self._jobs.get(timeout=0.5)
             except queue.Empty:
                 continue
             try:
-                tree, buffers = node.codec.pack(payload)
+                tree, buffers = self._codec.pack(payload)
                 del payload
                 failed = self._forward(topic, tree, buffers, origin, sent_at, plan, deadline)
             except Exception as exc:  # never leave the upstream waiting for an ack
-                log.exception("node %d: relaying for node %d failed", node.node_id, origin)
+                log.exception("node %d: relaying for node %d failed", self.node_id, origin)
                 failed = _Failed()
-                failed.add(plan_ids(plan), "error", f"relay node {node.node_id}: {type(exc).__name__}: {exc}")
+                failed.add(plan_ids(plan), "error", f"relay node {self.node_id}: {type(exc).__name__}: {exc}")
             tree = buffers = None  # type: ignore[assignment]
             self._send_ack(upstream, hop, failed)
 

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from mq.channels import check_name, nbytes_of
-from mq.core import Message
+from mq.message import Message
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, StreamError, Timeout
 
 log = logging.getLogger("mq.stream")

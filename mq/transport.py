@@ -1,15 +1,16 @@
 """The transport interface: what a backend must do, and nothing more.
 
 A transport moves frames (:class:`mq.codec.Frame`) between this node and its peers. It knows
-nothing about topics, calls, subscriptions, handshakes or shared memory: :class:`mq.core.MQ`
-owns all of that and holds one transport. Data paths (:mod:`mq.shm`) ride inside frames as
-descriptors, so every transport carries them.
+nothing about topics, calls, subscriptions, handshakes or shared memory: the node ("core":
+:class:`mq.core.MQ` and its parts) owns all of that and holds one transport. Data paths
+(:mod:`mq.shm`) ride inside frames as descriptors, so every transport carries them.
 
 Contract (every method may be called from any thread unless it says otherwise):
 
 ``start(node) -> targets``
     Listen, fill ``addresses``, and return the targets to greet (``greet``) to join the job:
-    addresses for NNG, ranks for torch RPC. ``node`` receives events (:class:`Events`).
+    addresses for NNG, ranks for torch RPC. ``node`` receives events (:class:`Events`): the
+    node's :class:`mq.dispatch.Dispatch`, not the user's ``MQ``.
 ``greet(target, frame, token)``
     Send a HELLO frame to a target whose node id is not known yet. Best effort and
     non-blocking: the answer comes back as a frame whose HELLO_ACK payload echoes ``token``
@@ -59,7 +60,7 @@ Receipt = Callable[[], None]
 
 
 class Events(Protocol):
-    """What a transport reports to its node (core)."""
+    """What a transport reports to its node (:class:`mq.dispatch.Dispatch` implements it)."""
 
     max_frame_bytes: int
     secret: Any  # the job's mq.auth.Secret (None when insecure): sign what strangers could write

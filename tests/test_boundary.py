@@ -49,7 +49,7 @@ def victim():
         try:
             assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
             q.wait_for_peers(ids=[1], timeout=10)
-            yield q, proc, q._peers[1].info["addresses"]
+            yield q, proc, q._peers.by_id[1].info["addresses"]
         finally:
             proc.kill()
             proc.wait(10)
@@ -168,15 +168,15 @@ def test_a_refusal_from_a_stranger_is_not_believed(caplog):
     """A HELLO_ACK carrying an error, but no valid proof, changes nothing: anyone could send it."""
     with mq.create("nng", 0, timeout=3) as q:
         forged = {**_hello_of(q), "error": "node id 0 is taken", "proof": b"\0" * 32, "read_ok": False}
-        with q._lock:  # a greeting of ours it could claim to answer
-            q._greetings[forged["token"]] = (os.urandom(16), "tcp://127.0.0.1:9", 0.0)
+        with q._join.lock:  # a greeting of ours it could claim to answer
+            q._join.greetings[forged["token"]] = (os.urandom(16), "tcp://127.0.0.1:9", 0.0)
         send_as_strangers(q.addresses, "tcp", [raw_frame(HELLO_ACK, 7, dict(forged, node_id=7), topic="")])
         assert wait_until(lambda: q.stats().rejected.get("bad_proof", 0) >= 1)
         assert q.wait_for_peers(0, timeout=0.5) == []  # no ConfigError
 
 
 def _hello_of(q: mq.MQ) -> dict:
-    return q._hello_payload("t-forged", os.urandom(16))
+    return q._join.hello_payload("t-forged", os.urandom(16))
 
 
 def test_handshake_frames_are_small_and_typed():

@@ -122,7 +122,7 @@ def test_relayed_publish_reaches_every_subscriber_once_with_the_publishers_id(cl
     for i in range(1, 5):
         want = [[0, "array", [x.nbytes, int(x[::4099].sum())]]] + ([[0, "other", "after"]] if i == 2 else [])
         assert cluster.got[i] == want + [[0, "other", "small"]], (i, cluster.got[i])
-    st = q._fanout.stats
+    st = q.stats().relay
     assert st["relayed"] == 1 and st["forwarded"] == 2 and st["fallback_direct"] == 0, st  # one copy per host
 
 

@@ -242,7 +242,7 @@ def test_sigkilled_receiver_frees_its_slots_and_leaves_nothing(learner):
         peer.wait(10)
         assert wait_until(lambda: 1 not in learner.peers())
         # What the dead receiver held is free: the whole pool is usable again at once.
-        learner_pool = learner._pool
+        learner_pool = learner._sender.pool
         assert learner_pool is not None and wait_until(
             lambda: all(s.free for s in learner_pool._segments.values() if s is not learner_pool._probe))
     finally:
@@ -266,7 +266,7 @@ def test_sigkilled_sender_leaves_no_mapping_once_views_are_dropped(learner):
         assert _pool_maps(os.getpid()) >= 1
         del msg
         gc.collect()
-        own = len(learner._pool._segments) if learner._pool else 0
+        own = len(learner._sender.pool._segments) if learner._sender.pool else 0
         assert wait_until(lambda: _pool_maps(os.getpid()) <= own)
     finally:
         _stop(peer)

@@ -122,7 +122,7 @@ def test_garbage_and_a_join_flood_leave_the_node_serving_and_stop_bounded():
         s.close()
         assert wait_until(lambda: sum(q.stats().rejected.values()) + q.stats().dropped_malformed >= 50, 20)
         assert wait_until(lambda: q.stats().rejected.get("join_incomplete", 0) >= 300 - 64, 20)
-        assert len(q._pending) <= 64 and q.peers() == []
+        assert q._join.pending_count() <= 64 and q.peers() == []
     finally:
         t0 = time.monotonic()
         q.stop(timeout=3.0)
@@ -198,11 +198,11 @@ def test_a_node_that_comes_back_as_a_new_process_rejoins_once(learner):
     first = peer(learner)
     try:
         learner.wait_for_peers(ids=[1], timeout=10)
-        old = learner._peers[1].info["incarnation"]
+        old = learner._peers.by_id[1].info["incarnation"]
         os.kill(first.pid, signal.SIGKILL)
         second = peer(learner)  # same node id, new process, while the old one may look alive
         try:
-            assert wait_until(lambda: 1 in learner.peers() and learner._peers[1].info["incarnation"] != old, 15)
+            assert wait_until(lambda: 1 in learner.peers() and learner._peers.by_id[1].info["incarnation"] != old, 15)
             assert learner.peers() == [1]
             assert learner.call(1, "echo", "new", timeout=5) == "new"
         finally:
@@ -218,7 +218,7 @@ def test_flush_confirms_what_a_live_peer_received(learner):
         for i in range(50):
             learner.send(1, "work", i)
         learner.flush(1, timeout=5)
-        assert learner._peers[1].acked == learner._peers[1].tx == 50
+        assert learner._peers.by_id[1].acked == learner._peers.by_id[1].tx == 50
     finally:
         stop(proc)
 
@@ -259,9 +259,9 @@ def test_a_host_that_vanishes_without_fin_is_lost_within_the_heartbeat_bound():
                 gone = time.monotonic()
                 assert wait_until(lambda: 1 not in q.peers(), 8)
                 detected = time.monotonic() - gone
-                print(f"host gone without FIN: lost after {detected:.2f}s ({q._peers[1].lost})")
+                print(f"host gone without FIN: lost after {detected:.2f}s ({q._peers.by_id[1].lost})")
                 assert detected <= q.peer_timeout + q.heartbeat + 0.5, detected
-                assert "went silent" in q._peers[1].lost
+                assert "went silent" in q._peers.by_id[1].lost
             finally:
                 stop(proc)
 
@@ -294,8 +294,8 @@ def test_a_request_on_a_link_that_never_joined_is_refused_and_counted():
         q.on("echo", lambda x: ran.append(x) or x)
         frame = q.codec.encode(REQ, "echo", 3, 0, 1, "hi").to_bytes()
         head, buffers = split(frame)
-        assert q.on_request(head, buffers, ("rank", 3)) is None
-        assert q.on_handshake(frame, ("rank", 3)) is False  # False: the transport closes the link
+        assert q._dispatch.on_request(head, buffers, ("rank", 3)) is None
+        assert q._dispatch.on_handshake(frame, ("rank", 3)) is False  # False: the transport closes the link
         assert q.stats().rejected == {"unauthenticated": 1}
     assert ran == []
 
@@ -310,8 +310,8 @@ def test_a_request_racing_its_senders_join_falls_back_to_an_ordinary_frame():
     with mq.create("inproc", 0) as q:
         q.on("echo", lambda x: ran.append(x) or x)
         head, buffers = split(q.codec.encode(REQ, "echo", 3, 0, 1, "hi").to_bytes())
-        q._bind(("rank", 3), 3)  # the join's first half, as _on_link does before _peer_joined
-        assert q.on_request(head, buffers, ("rank", 3)) is None
+        q._peers.bind(("rank", 3), 3)  # the join's first half, as Join._on_link does before _joined
+        assert q._dispatch.on_request(head, buffers, ("rank", 3)) is None
         assert q.stats().rejected == {}
     assert ran == []
 

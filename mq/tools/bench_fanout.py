@@ -67,6 +67,7 @@ class _Group:
         self.q = mq.create("nng", 0, "bench", listen_to=f"tcp://{addr}:{port}", timeout=60)
         self.q.listen()
         self.acks = 0
+        self._acked = threading.Condition()  # the ack handler (mq's handler thread) -> sample()
         self.q.subscribe("ack", self._ack)
         addrs = [f"tcp://{addr}:{port}"]
         for i in range(1, n + 1):
@@ -85,20 +86,24 @@ class _Group:
         self.n = n
 
     def _ack(self, m: Any) -> None:
-        with self.q._peers_changed:
+        with self._acked:
             self.acks += 1
-            self.q._peers_changed.notify_all()
+            self._acked.notify_all()
 
     def sample(self, x: np.ndarray, shape: str | None, timeout: float = 120.0) -> float:
-        fan = self.q._fanout
-        fan.min_bytes, fan.shape = (None, "tree") if shape is None else (1 << 20, shape)
-        with self.q._peers_changed:
+        if shape is None:
+            self.q.set_relay(None)  # direct sends only
+        else:
+            self.q.set_relay(1 << 20, shape)
+        with self._acked:
             self.acks = 0
         t0 = time.perf_counter()
         reached = self.q.publish("bench", x, timeout=timeout)
         if len(reached) != self.n:
             raise RuntimeError(f"publish reached {len(reached)} of {self.n} subscribers")
-        self.q._wait(lambda: self.acks >= self.n, timeout, lambda: f"{self.acks} of {self.n} acks")
+        with self._acked:
+            if not self._acked.wait_for(lambda: self.acks >= self.n, timeout):
+                raise TimeoutError(f"{self.acks} of {self.n} acks within {timeout:g}s")
         return (time.perf_counter() - t0) * 1e3
 
     def close(self) -> None:
@@ -213,7 +218,7 @@ def run(size: int, host_counts: list[int], subscribers: int = 8, samples: int = 
                             row.error = f"{type(exc).__name__}: {exc}"
                             break
                     progress(f"round {r + 1}: {row.name}: p50 {row.p50_ms}")
-            info["relay_stats"] = {key: dict(g.q._fanout.stats) for key, g in groups.items()
+            info["relay_stats"] = {key: g.q.stats().relay for key, g in groups.items()
                                    if isinstance(g, _Group)}
         finally:
             for g in groups.values():

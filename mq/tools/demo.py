@@ -23,7 +23,7 @@ def main(ctx: mq.Context) -> None:
     role = "learner" if "learner" in ctx.labels else "collector"
     others = len(ctx.node_ids) - 1
     q.wait_for_peers(others, timeout=30)
-    routes = ", ".join(f"node {p} ({'/'.join(sorted(q._peers[p].labels)) or '-'}): {r.kind}"
+    routes = ", ".join(f"node {p} ({'/'.join(sorted(q.labels_of(p) or ())) or '-'}): {r.kind}"
                        for p, r in sorted(q.routes().items()))
     print(f"[node {ctx.node_id} {role}] routes: {routes}", flush=True)
     if role == "learner":

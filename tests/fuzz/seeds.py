@@ -42,7 +42,7 @@ def hello_payload() -> dict[str, Any]:
     q = mq.create("nng", 1, {"collector"}, timeout=2)
     with q:
         q.subscribe("model")
-        return q._hello_payload("0" * 32, b"n" * 16)
+        return q._join.hello_payload("0" * 32, b"n" * 16)
 
 
 def handshake_frames() -> dict[str, bytes]:

@@ -1,0 +1,244 @@
+"""Calls: the corr -> future table of this node's calls, and serving its ``on`` handlers.
+
+:class:`Calls` owns the pending calls (a REP frame resolves one: :meth:`Calls.on_reply`), the
+handlers registered with ``on``, the thread pool that serves REQ frames and the slots that
+bound it, and calls in one exchange (``Transport.request``). Data flows::
+
+    facade.call -> Calls.pending / Calls.request -> sender | transport.request
+    dispatch: REQ -> Calls.submit -> pool thread -> handler -> sender (REP)
+              REP -> Calls.on_reply -> the caller's future
+    transport.request on the peer -> dispatch.on_request -> Calls.serve_now (its thread)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+import traceback
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Iterator
+
+from mq.codec import KIND_NAMES, REP_ERR, REP_OK, Codec, Envelope, Frame
+from mq.errors import ClosedError, EncodeError, MQError, PeerLost, ProtocolError, RemoteError, Timeout
+from mq.lifecycle import Lifecycle
+from mq.peers import Peer, PeerTable
+from mq.sender import Sender
+from mq.stats import Refusals, Stats
+from mq.transport import Transport
+
+log = logging.getLogger("mq")
+
+
+class Calls:
+    """The calls and call handlers of node ``node_id`` (see the module docstring).
+
+    Args:
+        handler_threads: threads serving ``on`` handlers; as many more may serve requests in
+            one exchange (on the transport's threads), and 4x as many REQ frames may queue.
+    """
+
+    def __init__(self, node_id: int, sender: Sender, peers: PeerTable, transport: Transport,
+                 codec: Codec, life: Lifecycle, stats: Stats, refusals: Refusals, *,
+                 handler_threads: int, timeout: float):
+        self.node_id = node_id
+        self._sender = sender
+        self._peers = peers
+        self._transport = transport
+        self._codec = codec
+        self._life = life
+        self._stats = stats
+        self._refusals = refusals
+        self._timeout = timeout
+        self._threads = handler_threads
+        self._calls: dict[int, tuple[int, Future]] = {}
+        self._ids = itertools.count(1)
+        self._servers: dict[str, Callable[[Any], Any]] = {}
+        self._lock = threading.Lock()
+        self.handler_slots = threading.BoundedSemaphore(handler_threads * 4)
+        self._request_slots = threading.BoundedSemaphore(handler_threads)  # see serve_now
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ calling
+    def new_corr(self) -> int:
+        return next(self._ids)
+
+    @contextlib.contextmanager
+    def pending(self, peer: int, corr: int) -> Iterator[Future]:
+        """The future a REP frame for ``corr`` from ``peer`` resolves, while inside."""
+        fut: Future = Future()
+        with self._lock:
+            self._calls[corr] = (peer, fut)
+        try:
+            yield fut
+        finally:
+            with self._lock:
+                self._calls.pop(corr, None)
+
+    def request(self, peer: int, frame: Frame, deadline: float) -> Envelope | None:
+        """A call in one exchange (``Transport.request``): its checked reply (REP_OK/REP_ERR),
+        or None when the peer did not take it as a request (the caller sends it as an ordinary
+        frame). Calls travel inline this way, also to a peer on the shm route: the request is
+        one exchange and the peer's transport moves the bytes (TensorPipe has its own
+        same-host channels); descriptors would need a second message to give the slots back.
+        Losing the peer meanwhile ends the exchange in the transport, which says how."""
+        p = self._sender.checked_peer(peer, frame, "call")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise FutureTimeout()
+        try:
+            reply = self._transport.request(peer, frame, left)
+        except Timeout:
+            raise FutureTimeout() from None  # the caller words it
+        except MQError:
+            if p.lost:  # the link broke because the peer died or left
+                raise PeerLost(f"node {peer} {p.lost}") from None
+            raise
+        if reply is None:
+            return None
+        self._stats.sent += 1
+        p.last_sent = time.monotonic()
+        try:
+            env = self._codec.decode(*reply)
+        except ProtocolError as exc:
+            self._refusals.refused(exc)
+            raise
+        if env.kind not in (REP_OK, REP_ERR) or env.corr != frame.head[5] or env.sender != peer:
+            self._refusals.dropped(f"node {peer} answered a request with a {KIND_NAMES[env.kind]} "
+                                   f"frame of call {env.corr} from node {env.sender}")
+            raise ProtocolError(f"node {peer} answered call {frame.head[5]} with something else")
+        self._stats.received += 1
+        p.last_seen = time.monotonic()
+        return env
+
+    def on_reply(self, env: Envelope) -> None:
+        """A REP frame (dispatch): resolve its call, or count it when nobody waits any more."""
+        with self._lock:
+            entry = self._calls.get(env.corr)
+        if entry is None:
+            self._stats.dropped_unexpected_reply += 1  # a reply after its call timed out
+            return
+        _peer, fut = entry
+        try:
+            if env.kind == REP_OK:
+                fut.set_result(env.payload)
+            else:
+                fut.set_exception(remote_error(env))
+        except InvalidStateError:  # the call already failed (peer lost, stop) or timed out
+            self._stats.dropped_unexpected_reply += 1
+
+    def fail(self, error_for: Callable[[int], MQError | None]) -> None:
+        """Fail the calls waiting for a REP frame (a call inside ``transport.request`` learns
+        its fate from the transport: an answer sent before a peer's goodbye may still come)."""
+        with self._lock:
+            pending = list(self._calls.values())
+        for peer, fut in pending:
+            err = error_for(peer)
+            if err is not None:
+                try:
+                    fut.set_exception(err)
+                except InvalidStateError:  # answered in the meantime
+                    pass
+
+    def peer_lost(self, peer: Peer, why: str) -> None:
+        self.fail(lambda p: PeerLost(f"node {p} {why}") if p == peer.node_id else None)
+
+    # ------------------------------------------------------------------ serving
+    def serve(self, topic: str, fn: Callable[[Any], Any]) -> None:
+        with self._lock:
+            self._servers[topic] = fn
+
+    def start(self) -> None:
+        self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix=f"mq{self.node_id}-on")
+
+    def has_room(self) -> bool:
+        """Whether a REQ frame can be queued without waiting for a handler slot."""
+        # (A semaphore's count, read without taking its lock: acquire() + release() per recv()
+        # cost ~3 us, and only the reading thread takes slots while it reads.)
+        return self.handler_slots._value > 0
+
+    def submit(self, env: Envelope, wait: bool) -> None:
+        """Serve a REQ frame on the pool. Slots bound queued calls (released when served); a
+        thread reading for itself must not ``wait`` for handlers, which may wait for it: its
+        request queues past the bound (one per read at most)."""
+        slot = self.handler_slots.acquire(blocking=wait)
+        try:
+            assert self._executor is not None
+            self._executor.submit(self._serve, env, slot)
+        except RuntimeError:  # pool shut down: we are stopping
+            if slot:
+                self.handler_slots.release()
+
+    def serve_now(self, env: Envelope, peer: Peer) -> Frame | None:
+        """Serve a request in this thread (``on_request``) and return its reply; None when
+        ``handler_threads`` already run this way (the requester sends an ordinary frame)."""
+        if not self._request_slots.acquire(blocking=False):
+            return None
+        try:
+            self._stats.received += 1
+            peer.last_seen = time.monotonic()
+            return self._answer(env)
+        finally:
+            self._request_slots.release()
+
+    def finish(self, deadline: float) -> None:
+        """Before saying goodbye, let call handlers already running send their answers (for
+        at most half the time left): a caller whose handler ran gets its answer, not PeerLost."""
+        until = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+        # (Semaphore counts read without their locks, as in has_room.)
+        while ((self._request_slots._value < self._threads
+                or self.handler_slots._value < self._threads * 4)
+               and time.monotonic() < until):
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.fail(lambda peer: ClosedError("the queue was stopped while the call was pending"))
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _answer(self, env: Envelope) -> Frame:
+        """Run the ``on`` handler of a REQ and encode its reply: REP_OK with the result, or
+        REP_ERR with the error's type and message (also when no handler is registered, or the
+        result cannot be encoded)."""
+        with self._lock:
+            fn = self._servers.get(env.topic)
+        try:
+            if fn is None:
+                raise LookupError(f"node {self.node_id} has no handler for {env.topic!r}; "
+                                  f"register one with q.on({env.topic!r}, fn)")
+            kind, answer = REP_OK, fn(env.payload)
+        except Exception as exc:
+            kind, answer = REP_ERR, _error_payload(exc)
+        try:
+            return self._sender.encode(kind, env.topic, answer, env.corr)
+        except EncodeError as exc:
+            return self._sender.encode(REP_ERR, env.topic, _error_payload(exc), env.corr)
+
+    def _serve(self, env: Envelope, slot: bool = True) -> None:
+        try:
+            self._sender.deliver_to([env.sender], self._answer(env), time.monotonic() + self._timeout)
+        except MQError as exc:
+            log.warning("node %d: could not answer call %r from node %d: %s",
+                        self.node_id, env.topic, env.sender, exc)
+        finally:
+            if slot:
+                self.handler_slots.release()
+
+
+def remote_error(env: Envelope) -> RemoteError:
+    """The error a REP_ERR frame carries, rebuilt from its text."""
+    p = env.payload if isinstance(env.payload, dict) else {}
+    return RemoteError(str(p.get("type", "?")), str(p.get("message", "")), str(p.get("traceback", "")),
+                       peer=env.sender)
+
+
+def _error_payload(exc: BaseException) -> dict[str, str]:
+    # Only text crosses the wire: the caller rebuilds a RemoteError, never the remote object.
+    return {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }

@@ -1,0 +1,222 @@
+"""Dispatch: what the transport reports (the :class:`mq.transport.Events` of a node), and where
+each frame goes.
+
+:class:`Dispatch` is the object a transport holds (``transport.start(dispatch)``). It admits a
+frame only from the peer that proved itself on its link, decodes it (shm descriptors only into
+that peer's pool) and switches on its kind::
+
+    transport I/O thread -> Dispatch.on_frame -> codec.decode -> admission
+        HELLO/HELLO_ACK/LINK -> Join          MSG -> Delivery (queues | handler thread)
+        REQ -> Calls (pool)   REP -> Calls    PING/BYE -> Liveness   SUBS -> PeerTable
+        RELEASE -> Sender (our pool)          RELAY -> Fanout
+    a link not trusted yet -> Dispatch.on_handshake -> mq.handshake.parse -> Join, only
+
+It never runs user code on an I/O thread (``on_request`` runs a call handler on the
+transport's request thread, which it keeps apart from the threads that carry frames). Nothing
+a peer sends raises out of here: a malformed or refused frame is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from mq import handshake as _handshake
+from mq.calls import Calls
+from mq.codec import (BYE, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELAY, RELEASE, REP_ERR,
+                      REP_OK, REQ, SUBS, Codec, Envelope, Frame, buffer_nbytes)
+from mq.delivery import Delivery
+from mq.errors import ProtocolError
+from mq.fanout import Fanout
+from mq.join import Join
+from mq.lifecycle import Lifecycle
+from mq.liveness import Liveness
+from mq.peers import PeerTable
+from mq.sender import COUNTED, Sender
+from mq.stats import Refusals, Stats
+
+log = logging.getLogger("mq")
+
+# Frames accepted from a link that has not proven membership yet: the handshake itself.
+_HANDSHAKE = frozenset({HELLO, HELLO_ACK, LINK})
+
+
+class Dispatch:
+    """The transport events of node ``node_id`` (see the module docstring and
+    :class:`mq.transport.Events`, whose names and signatures these are).
+
+    Args:
+        max_frame_bytes: larger incoming frames are dropped (the transport checks).
+        secret: the job's :class:`mq.auth.Secret` (None when insecure): the transport signs its
+            rendezvous values with it.
+    """
+
+    def __init__(self, node_id: int, codec: Codec, peers: PeerTable, join: Join, delivery: Delivery,
+                 calls: Calls, liveness: Liveness, sender: Sender, fanout: Fanout, life: Lifecycle,
+                 stats: Stats, refusals: Refusals, *, max_frame_bytes: int, secret: Any):
+        self.node_id = node_id
+        self.max_frame_bytes = max_frame_bytes
+        self.secret = secret
+        # Bound once: on_frame runs per message (see scripts/hotpath).
+        self._decode = codec.decode
+        self._peers = peers
+        self._peer_of = peers.by_id
+        self._links = peers.links
+        self.trusts = peers.links.__contains__
+        self._join = join
+        self._deliver = delivery.deliver
+        self._reading = delivery.reading
+        self._calls = calls
+        self._liveness = liveness
+        self._sender = sender
+        self._fanout = fanout
+        self._life = life
+        self._stats = stats
+        self._refusals = refusals
+
+    # ------------------------------------------------------------------ Events
+    def on_handshake(self, frame: Any, link: Any) -> bool:
+        """A frame from a link that has not authenticated (the transport's I/O thread): only the
+        handshake parser reads it (:mod:`mq.handshake`). False when it was refused (counted):
+        the transport closes the link."""
+        try:
+            kind, sender, payload = _handshake.parse(frame)
+            self._join.handle(Envelope(kind, "", sender, 0, 0, payload), link)
+        except ProtocolError as exc:
+            self._refusals.refused(exc)
+            return False
+        except Exception as exc:  # a bug of ours: it must not stop the I/O thread either
+            self._refusals.failed(exc)
+            return False
+        return True
+
+    def on_frame(self, header: Any, buffers: list[Any], link: Any) -> None:
+        """A frame arrived on a trusted ``link`` (the transport's I/O thread): decode and route
+        it. A frame's sender is its link's peer. A malformed or refused frame is dropped and
+        counted; nothing a peer sends raises out of here."""
+        try:
+            shared = type(header) is not list or header[8] is not None  # parsed: no descriptors
+            env = self._decode(header, buffers, self._resolve_for(link) if shared else None)
+            if env.kind in _HANDSHAKE:  # a peer greeting again: held to the same schema
+                self._join.handle(env._replace(payload=_handshake.check(env.kind, env.sender, env.payload)), link)
+            elif (peer := self._admit(env, link)) is None:
+                pass  # refused and counted
+            elif (p := self._peer_of[peer]).lost:
+                # It left (or went silent): answers to our own farewell still count; the rest
+                # of what was in flight is dropped quietly, as the sender was told (PeerLost).
+                if env.kind in (REP_OK, REP_ERR):
+                    self._calls.on_reply(env)
+                else:
+                    log.debug("node %d: dropped a %s from node %d, which left", self.node_id,
+                              KIND_NAMES[env.kind], env.sender)
+            else:
+                self._stats.received += 1
+                p.last_seen = time.monotonic()
+                if env.kind in COUNTED:
+                    p.rx += 1
+                if env.kind == MSG:  # the queue's byte bound counts inline bytes (the pool bounds shared ones)
+                    self._deliver(env.topic, env.payload, env.sender, env.sent_at, env.nbytes,
+                                  sum(buffer_nbytes(b) for b in buffers) if shared else env.nbytes)
+                else:
+                    self._route(env)
+        except ProtocolError as exc:
+            self._refusals.refused(exc)
+        except Exception as exc:  # a bug of ours: it must not stop the I/O thread either
+            self._refusals.failed(exc)
+
+    def on_request(self, header: Any, buffers: list[Any], link: Any) -> Frame | None:
+        """A REQ frame whose reply goes back in the same exchange (``Transport.request``):
+        checked like any frame (:meth:`_admit`), served in this thread, the reply returned.
+
+        The transport calls this on a thread that may block for the handler's duration (torch
+        RPC: one of its request threads, of which it keeps some free for frames). At most
+        ``handler_threads`` handlers run this way at once; past that, and while the sender's
+        join is still being confirmed here (its LINK frame, sent before, may not be handled
+        yet), this returns None and the sender sends the request as an ordinary frame.
+
+        Raises:
+            ProtocolError: the frame is malformed or refused (counted).
+        """
+        if not self.trusts(link):
+            # Decode nothing a link sends before it joined. Its sender may still be joining
+            # (its LINK frame not handled yet): the request comes again as an ordinary frame,
+            # which the handshake parser refuses unless the join finished first.
+            return None
+        try:
+            env = self._decode(header, buffers, self._resolve_for(link))
+        except ProtocolError as exc:
+            self._refusals.refused(exc)
+            raise
+        except Exception as exc:
+            self._refusals.failed(exc)
+            raise ProtocolError(f"malformed request: {type(exc).__name__}") from None
+        if env.kind != REQ:
+            self.on_dropped(f"a {KIND_NAMES[env.kind]} frame sent as a request")
+            raise ProtocolError(f"a {KIND_NAMES[env.kind]} frame is not a request")
+        if not self._life.listening:
+            return None
+        peer = self._admit(env, link)
+        if peer is None:
+            raise ProtocolError(f"node {self.node_id} refused a request claiming node {env.sender}")
+        p = self._peer_of.get(peer)
+        if p is None:
+            # Its link is bound but the join is not finished on our I/O thread yet (this runs on
+            # another thread): the ordinary frame comes after the join in order.
+            return None
+        if p.lost:
+            return None  # as on_frame: the ordinary frame is dropped, the caller learns PeerLost
+        return self._calls.serve_now(env, p)
+
+    def on_link_lost(self, peer: int, why: str) -> None:
+        if self._life.listening:
+            self._peers.lose(peer, why)
+
+    def on_dropped(self, why: str, cause: str = "malformed") -> None:
+        self._refusals.dropped(why, cause)
+
+    # ------------------------------------------------------------------ admission and routing
+    def _admit(self, env: Envelope, link: Any) -> int | None:
+        """The peer a (non-handshake) frame on ``link`` comes from: the authenticated peer of
+        that link, which must be the frame's sender. None when the frame is refused (counted)."""
+        peer = self._links.get(link)
+        if peer is None:
+            self._refusals.reject("unauthenticated", f"a {KIND_NAMES[env.kind]} frame claiming node "
+                                  f"{env.sender} on a link that never proved membership")
+            return None
+        if env.sender != peer:
+            self._refusals.reject("spoofed_sender", f"a frame on node {peer}'s link claims to come from "
+                                  f"node {env.sender}")
+            return None
+        return peer
+
+    def _route(self, env: Envelope) -> None:
+        """A decoded frame other than MSG from a live, authenticated peer (its sender). Runs
+        on the transport's I/O thread: never runs user code."""
+        kind = env.kind
+        if kind == REQ:
+            # A thread reading for itself (recv(), a call or wait_released waiting) must not
+            # wait for handlers, which may wait for it.
+            self._calls.submit(env, wait=not self._reading.active)
+        elif kind in (REP_OK, REP_ERR):
+            self._calls.on_reply(env)
+        elif kind == SUBS:
+            self._peers.set_subscriptions(env.sender, env.payload if isinstance(env.payload, list) else [])
+        elif kind == RELEASE:
+            self._sender.on_release(env.sender, env.payload)
+        elif kind == PING:
+            self._liveness.on_ping(env)
+        elif kind == RELAY:
+            self._fanout.on_frame(env)
+        elif kind == BYE:
+            self._liveness.on_bye(env)
+
+    def _resolve_for(self, link: Any) -> Callable[[int, Any], memoryview]:
+        def resolve(sender: int, desc: Any) -> memoryview:
+            # Descriptors only from the authenticated peer of this link, into its own pool.
+            p = self._peer_of.get(self._links.get(link, -1))
+            if p is None or p.node_id != sender or p.reader is None:
+                raise ProtocolError(f"a shared-memory descriptor claiming node {sender} on a link "
+                                    "without a shm route")
+            return p.reader.view(desc)
+        return resolve

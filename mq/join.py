@@ -1,0 +1,395 @@
+"""Joining: greetings, the signed handshake (HELLO, HELLO_ACK, LINK) and the route per peer.
+
+:class:`Join` owns the greetings this node sent (token -> nonce, target), the joins in progress
+(HELLO answered, LINK not yet), refusals it told duplicates, and the thread that answers HELLOs
+when the transport's ``connect`` may block. A node becomes a peer (:meth:`mq.peers.PeerTable.joined`)
+only once its proof checked out (:mod:`mq.auth`); from then on its link is bound to it.
+
+    HELLO (node id, labels, subscriptions, addresses, locality, pool, nonce)
+        -> HELLO_ACK (our nonce, our proof; or why it is refused)
+        -> LINK (the initiator's proof; later: its verdict on our pool)
+
+Data flows: dispatch -> Join.handle -> (PeerTable, Sender, transport.connect/greet). The route
+to each peer is chosen here (:func:`mq.routing.select_route`), with a probe of its pool.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import replace
+from typing import Any, Callable
+
+from mq import auth as _auth
+from mq import handshake as _handshake
+from mq import shm as _shm
+from mq.codec import HELLO, HELLO_ACK, LINK, SUBS, Envelope
+from mq.errors import ConfigError, MQError, ProtocolError
+from mq.lifecycle import Lifecycle
+from mq.locality import Locality
+from mq.peers import Peer, PeerTable
+from mq.routing import select_route
+from mq.sender import Sender
+from mq.stats import Refusals
+from mq.transport import Transport
+
+log = logging.getLogger("mq")
+
+# A greeting nobody answered is sent again after this long.
+REGREET_S = 3.0
+# Joins in progress (HELLO answered, LINK not yet) kept at once; the oldest go first.
+MAX_PENDING = 64
+
+
+class Join:
+    """The joins of node ``node_id`` (see the module docstring).
+
+    Args:
+        hello: what this node tells others of itself: ``labels`` (sorted), ``locality`` (wire
+            form), ``incarnation``, ``mq_type``, ``max_frame_bytes``.
+        subscriptions: the topics this node subscribes to now.
+        secret: the job's :class:`mq.auth.Secret`, None when insecure.
+        timeout: how long a join may wait for its LINK.
+    """
+
+    def __init__(self, node_id: int, hello: dict[str, Any], locality: Locality,
+                 subscriptions: Callable[[], frozenset[str]], transport: Transport, sender: Sender,
+                 peers: PeerTable, refusals: Refusals, life: Lifecycle, *, secret: Any, timeout: float):
+        self.node_id = node_id
+        self._hello = hello
+        self._locality = locality
+        self._subscriptions = subscriptions
+        self._transport = transport
+        self._sender = sender
+        self._peers = peers
+        self._refusals = refusals
+        self._life = life
+        self._secret = secret
+        self._timeout = timeout
+        self.greetings: dict[str, tuple[bytes, Any, float]] = {}  # token -> (our nonce, target, when)
+        self._refusals_sent: dict[int, float] = {}  # node id -> when we last told a duplicate of it
+        self._pending: dict[tuple[int, str], tuple[bytes, Peer, float]] = {}  # joins awaiting LINK
+        self.lock = threading.RLock()  # greetings, pending joins, refusals told
+        self._answers: collections.deque[tuple[int, dict[str, Any], Peer, dict[str, Any]]] = collections.deque()
+        self._answers_changed = threading.Condition()
+        self._joiner: threading.Thread | None = None  # answers HELLOs when connect may block
+
+    # ------------------------------------------------------------------ greeting
+    def hello_payload(self, token: str, nonce: bytes) -> dict[str, Any]:
+        pool, me = self._sender.pool, self._hello
+        return {
+            "node_id": self.node_id,
+            "labels": me["labels"],
+            "subscriptions": sorted(self._subscriptions()),
+            "addresses": dict(self._transport.addresses),
+            "locality": me["locality"],
+            "incarnation": me["incarnation"],
+            "token": token,
+            "nonce": nonce,
+            "mq_type": me["mq_type"],
+            "max_frame_bytes": me["max_frame_bytes"],
+            "shm": pool.probe_info() if pool is not None else None,
+        }
+
+    def greet(self, target: Any) -> None:
+        token, nonce = uuid.uuid4().hex, _auth.nonce()
+        with self.lock:
+            self.greetings[token] = (nonce, target, time.monotonic())
+        self._transport.greet(target, self._sender.encode(HELLO, "", self.hello_payload(token, nonce)), token)
+
+    def handle(self, env: Envelope, link: Any) -> None:
+        """A handshake frame (checked against its schema: :mod:`mq.handshake`)."""
+        {HELLO: self._on_hello, HELLO_ACK: self._on_ack, LINK: self._on_link}[env.kind](env, link)
+
+    # ------------------------------------------------------------------ the responder
+    def _on_hello(self, env: Envelope, link: Any) -> None:
+        """A node wants to join: answer with our nonce and proof; it is not a peer yet."""
+        info = env.payload
+        peer_id = info["node_id"]
+        if peer_id == self.node_id and info["incarnation"] == self._hello["incarnation"]:
+            return  # our own greeting (a node attached to itself)
+        nonce = _auth.nonce()
+        ack = self.hello_payload(info["token"], nonce)
+        if self._secret is not None:
+            ack["proof"] = self._secret.proof("ack", nonce, info["nonce"], self.node_id, peer_id,
+                                              self._hello["incarnation"])
+        taken = self._taken(peer_id, info)
+        if taken:
+            # Never touch the live node's link; tell the newcomer why instead of letting its
+            # joins time out (signed like any answer: a stranger cannot forge the refusal).
+            self._tell_refused(peer_id, info, dict(ack, error=taken))
+            raise _handshake.Refused("duplicate_id", taken)
+        peer = self._new_peer(info)
+        ack["read_ok"] = peer.reader is not None
+        with self.lock:
+            if len(self._pending) >= MAX_PENDING:  # a join flood must not grow without bound
+                self._drop_pending(next(iter(self._pending)), "too many joins in progress")
+            self._pending[(peer_id, info["incarnation"])] = (nonce, peer, time.monotonic())
+        if self._transport.connect_may_block:
+            self._answer_later((peer_id, info, peer, ack))
+        else:
+            self._answer_hello(peer_id, info, peer, ack)
+
+    def _answer_hello(self, peer_id: int, info: dict[str, Any], peer: Peer, ack: dict[str, Any]) -> None:
+        """Open the link to a node that said HELLO and answer on it (its first frame)."""
+        try:
+            self._transport.connect(peer_id, info, peer.route)
+            self._sender.send_control(peer_id, HELLO_ACK, ack, min(self._timeout, 5.0))
+        except (MQError, OSError) as exc:
+            log.debug("node %d: could not answer the HELLO of node %d: %s", self.node_id, peer_id, exc)
+
+    def _answer_later(self, answer: tuple[int, dict[str, Any], Peer, dict[str, Any]]) -> None:
+        """Answer a HELLO from the joins thread: the transport's connect may block (a tcp link
+        to a port that drops SYNs), and a HELLO proves nothing yet, so a stranger's forged ones
+        must not hold up the I/O thread. At most MAX_PENDING wait; the oldest goes first."""
+        with self._answers_changed:
+            if len(self._answers) >= MAX_PENDING:
+                dropped = self._answers.popleft()
+                self._refusals.reject("pending_overflow", f"too many joins to answer: node {dropped[0]}'s waits")
+            self._answers.append(answer)
+            if self._joiner is None:
+                self._joiner = threading.Thread(target=self._joins_loop, daemon=True,
+                                                name=f"mq{self.node_id}-joins")
+                self._joiner.start()
+            self._answers_changed.notify()
+
+    def _joins_loop(self) -> None:
+        while self._life.listening:
+            with self._answers_changed:
+                if not self._answers:
+                    self._answers_changed.wait(0.5)
+                    continue
+                peer_id, info, peer, ack = self._answers.popleft()
+            with self.lock:
+                waiting = (peer_id, info["incarnation"]) in self._pending
+            if waiting:  # not dropped meanwhile (timed out, or pushed out by a flood)
+                self._answer_hello(peer_id, info, peer, ack)
+
+    def _drop_pending(self, key: tuple[int, str], why: str) -> None:
+        """Forget a join that never completed (called with the lock held)."""
+        entry = self._pending.pop(key, None)
+        if entry is None:
+            return
+        if entry[1].reader is not None:
+            entry[1].reader.close()
+        live = self._peers.get(key[0])
+        if live is None or live.lost:  # nobody else uses that id's link: close it
+            threading.Thread(target=self._transport.disconnect, args=(key[0],), daemon=True).start()
+        self._refusals.reject("join_incomplete", f"node {key[0]} did not finish joining: {why}")
+
+    def _taken(self, peer_id: int, info: dict[str, Any]) -> str | None:
+        """Why a HELLO for ``peer_id`` must be refused: its id belongs to a live process."""
+        if peer_id == self.node_id:
+            where = self._transport.addresses
+        else:
+            old = self._peers.get(peer_id)
+            if old is None or old.lost or old.info.get("incarnation") == info["incarnation"]:
+                return None
+            where = old.info.get("addresses")
+        return (f"node id {peer_id} is taken by a live process (node {self.node_id} sees it at "
+                f"{where}): give every node a unique node id")
+
+    def _tell_refused(self, peer_id: int, info: dict[str, Any], answer: dict[str, Any]) -> None:
+        """Send a node whose HELLO we refuse a HELLO_ACK saying why, at most once per
+        REGREET_S for each id (the HELLO is unproven: its address may be anyone's)."""
+        target = self._transport.reply_target(info)
+        now = time.monotonic()
+        with self.lock:
+            if target is None or now - self._refusals_sent.get(peer_id, -REGREET_S) < REGREET_S:
+                return
+            self._refusals_sent[peer_id] = now
+        frame = self._sender.encode(HELLO_ACK, "", answer)
+
+        def tell() -> None:  # a greeting may wait for its target (inproc): not on the I/O thread
+            try:
+                self._transport.greet(target, frame, info["token"])
+            except Exception as exc:  # the address is the unproven HELLO's: any library may refuse it
+                log.debug("node %d: could not tell node %d it was refused: %s", self.node_id, peer_id, exc)
+
+        threading.Thread(target=tell, daemon=True, name=f"mq{self.node_id}-refusal").start()
+
+    # ------------------------------------------------------------------ the initiator
+    def _on_ack(self, env: Envelope, link: Any) -> None:
+        """Our HELLO was answered: check the proof, then the responder is a peer."""
+        info = env.payload
+        peer_id = info["node_id"]
+        with self.lock:
+            greeting = self.greetings.get(info["token"])
+        if greeting is None:
+            raise _handshake.Refused("unsolicited_ack", f"a HELLO_ACK claiming node {peer_id} answers "
+                                     "no HELLO of ours")
+        mine = greeting[0]
+        if self._secret is not None and not self._secret.check(
+                info["proof"], "ack", info["nonce"], mine, peer_id, self.node_id, info["incarnation"]):
+            raise _handshake.Refused("bad_proof", f"a HELLO_ACK claiming node {peer_id} failed "
+                                     "authentication (wrong job secret, or not a member of this job)")
+        if info["error"]:  # a member refused us, and said why: the next wait raises it
+            refusal = ConfigError(f"node {peer_id} refused node {self.node_id}: {info['error']}")
+            self._peers.refused(refusal)
+            log.error("node %d: %s", self.node_id, refusal)
+            raise _handshake.Refused("refused", str(refusal))
+        with self.lock:
+            self.greetings.pop(info["token"], None)
+        old = self._peers.get(peer_id)
+        same = old is not None and not old.lost and old.info.get("incarnation") == info["incarnation"]
+        taken = None if same else self._taken(peer_id, info)
+        if taken:
+            raise _handshake.Refused("duplicate_id", taken)
+        peer = old if same else self._new_peer(info)
+        self._peers.bind(link, peer_id)
+        if not same:
+            self._transport.connect(peer_id, info, peer.route)
+        link_msg: dict[str, Any] = {"node_id": self.node_id, "incarnation": self._hello["incarnation"],
+                                    "read_ok": peer.reader is not None}
+        if self._secret is not None:
+            link_msg["proof"] = self._secret.proof("link", mine, info["nonce"], self.node_id, peer_id,
+                                                   self._hello["incarnation"])
+        # LINK first: the peer takes no other frame of ours before it (links are FIFO).
+        self._sender.send_control(peer_id, LINK, link_msg, self._timeout)
+        if not same:
+            self._joined(peer)
+        self._on_link_verdict(peer_id, info["read_ok"])
+
+    def _on_link(self, env: Envelope, link: Any) -> None:
+        """The initiator's proof: it joins as a peer (or, if it already has, a verdict update)."""
+        msg = env.payload
+        peer_id = env.sender
+        with self.lock:
+            entry = self._pending.get((peer_id, msg["incarnation"]))
+        if entry is None:
+            if self._peers.links.get(link) != peer_id:
+                raise _handshake.Refused("unsolicited_link", f"a LINK claiming node {peer_id} answers "
+                                         "no join in progress")
+            self._on_link_verdict(peer_id, msg["read_ok"])  # a second handshake on a live link
+            return
+        mine, peer, _t = entry
+        if self._secret is not None and not self._secret.check(
+                msg["proof"], "link", peer.info["nonce"], mine, peer_id, self.node_id, msg["incarnation"]):
+            raise _handshake.Refused("bad_proof", f"a LINK claiming node {peer_id} failed authentication "
+                                     "(wrong job secret, or not a member of this job)")
+        with self.lock:
+            self._pending.pop((peer_id, msg["incarnation"]), None)
+        taken = self._taken(peer_id, peer.info)
+        if taken:
+            raise _handshake.Refused("duplicate_id", taken)
+        self._peers.bind(link, peer_id)
+        self._transport.connect(peer_id, peer.info, peer.route)
+        old = self._peers.get(peer_id)
+        if old is None or old.lost or old.info.get("incarnation") != peer.info.get("incarnation"):
+            self._joined(peer)
+        self._on_link_verdict(peer_id, msg["read_ok"])
+
+    def _joined(self, peer: Peer) -> None:
+        replaced = self._peers.joined(peer)
+        if replaced is not None:
+            self._sender.forget(replaced)
+        # The handshake carried our subscriptions as they were then; send the current set on the
+        # new link so a subscribe() racing with the join is never lost.
+        if self._subscriptions():
+            try:
+                self._sender.send_control(peer.node_id, SUBS, sorted(self._subscriptions()), self._timeout)
+            except MQError as exc:
+                log.warning("node %d: could not answer the handshake of node %d: %s",
+                            self.node_id, peer.node_id, exc)
+
+    # ------------------------------------------------------------------ routes
+    def _new_peer(self, info: dict[str, Any]) -> Peer:
+        peer_id = info["node_id"]
+        try:
+            remote = Locality.from_dict(info.get("locality") or {})
+        except Exception as exc:
+            raise ProtocolError(f"node {peer_id} sent a malformed locality: {exc}") from None
+        here = self._locality
+        # pid AND its PID namespace: two "hosts" (namespaces) on one machine reuse small pids.
+        same_process = remote.pid == here.pid and remote.boot_id == here.boot_id and remote.pid_ns == here.pid_ns
+        supported = set(self._transport.routes)
+        reader, why_not = self._open_reader(peer_id, info, same_process)
+        if reader is not None:
+            supported.add("shm")
+        try:
+            route = select_route(here, remote, supported=supported, peer=peer_id, same_process=same_process)
+        except ConfigError as exc:  # e.g. protocol=ipc towards another host: say so, use tcp
+            # (rate-limited: a stranger's HELLOs, unproven yet, get here too)
+            self._refusals.log("route", f"node {self.node_id}: {exc}; using tcp to node {peer_id}")
+            route = select_route(here, remote, supported={"tcp"}, peer=peer_id)
+        if route.gpudirect and "nvlink" not in supported:  # this transport stages GPU tensors
+            route = replace(route, gpudirect=False)
+        if why_not and route.kind != "inproc":
+            route = replace(route, reason=f"{route.reason}; not shm: {why_not}")
+        elif self._sender.pool is None and route.kind in ("ipc",):
+            route = replace(route, reason=f"{route.reason}; not shm: {self._sender.shm_unavailable}")
+        if route.kind != "shm" and reader is not None:
+            reader.close()
+            reader = None
+        limit = info.get("max_frame_bytes")
+        return Peer(peer_id, frozenset(str(x) for x in info.get("labels") or ()),
+                    frozenset(str(x) for x in info.get("subscriptions") or ()), route,
+                    info=info, reader=reader,
+                    max_frame_bytes=limit if type(limit) is int and limit > 0 else None)
+
+    def _open_reader(self, peer_id: int, info: dict[str, Any],
+                     same_process: bool) -> tuple[_shm.PoolReader | None, str | None]:
+        """The peer's pool opened here, or why not (None, None: it has none, or no use)."""
+        pool = self._sender.pool
+        if pool is None or not self._transport.shm_ok or info.get("shm") is None or same_process:
+            return None, None
+        try:
+            # We map at most what its pool announced, and at most what ours may hold (or
+            # the default, should ours be smaller than a legitimately larger peer's).
+            reader = _shm.PoolReader(peer_id, info["shm"], self._sender.releaser_for(peer_id),
+                                     max_bytes=max(pool.max_bytes, _shm.DEFAULT_POOL_BYTES))
+            why_not = reader.probe()
+        except ProtocolError as exc:
+            return None, str(exc)
+        return (None, why_not) if why_not else (reader, None)
+
+    def _on_link_verdict(self, peer_id: int, read_ok: Any) -> None:
+        """The peer's verdict on our pool: descriptors go to it only if it could open it."""
+        routes = self._transport.routes
+        with self._peers.changed:
+            peer = self._peers.get(peer_id)
+            if peer is None or peer.route is None or peer.route.kind != "shm":
+                return
+            if read_ok is True:
+                peer.shm_out = True
+            elif "shm" not in routes:  # it cannot read ours: sockets both ways
+                fallback = "ipc" if "ipc" in routes else "tcp"
+                peer.route = replace(peer.route, kind=fallback,
+                                     reason=f"{peer.route.reason}; not shm: node {peer_id} cannot "
+                                            "open this node's shared memory")
+            self._peers.changed.notify_all()
+
+    # ------------------------------------------------------------------ housekeeping
+    def expire(self, now: float) -> None:
+        """Forget joins that never finished; greet again whoever did not answer (heartbeat tick)."""
+        with self.lock:
+            for key, (_n, _peer, t) in list(self._pending.items()):
+                if now - t > self._timeout:
+                    self._drop_pending(key, f"no LINK within {self._timeout:g}s")
+            # Greet again whoever did not answer: it may have refused us while an earlier
+            # process of our node id still looked alive to it, or started after us.
+            stale = [(tok, target) for tok, (_n, target, t) in self.greetings.items() if now - t > REGREET_S]
+            for token, _target in stale:
+                del self.greetings[token]
+        for _token, target in stale:
+            try:
+                self.greet(target)
+            except (MQError, OSError) as exc:
+                log.debug("node %d: greeting %s again: %s", self.node_id, target, exc)
+
+    def pending_count(self) -> int:
+        with self.lock:
+            return len(self._pending)
+
+    def unanswered(self) -> str:
+        """Which of our greetings nobody answered: the addresses to check."""
+        with self.lock:
+            targets = sorted({str(t) for _n, t, _w in self.greetings.values()})
+        refused = {k: v for k, v in self._refusals.stats.rejected.items()
+                   if k in ("refused", "bad_proof", "duplicate_id")}
+        text = f"; no answer from {', '.join(targets)} (is a node listening there, with the same job secret?)" \
+            if targets else ""
+        return text + (f"; refused: {refused}" if refused else "")

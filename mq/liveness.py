@@ -1,0 +1,143 @@
+"""Liveness: heartbeats, receipts, flush and farewell.
+
+:class:`Liveness` owns the heartbeat thread and the judgement of silence: it pings idle peers
+(a PING carries our receipt, the count of their frames we received), declares silent peers
+lost in the peer table, and knows when this process itself was not scheduled (then nobody's
+silence is proven). ``flush`` waits for a peer's receipt; ``farewell`` tells every live peer
+we leave (BYE) and waits for their answers. Data flows::
+
+    heartbeat thread -> Sender (PING) ; silence -> PeerTable.lose
+    dispatch: PING -> on_ping -> PeerTable.receipt (and a PING back when asked)
+              BYE  -> on_bye  -> Sender (REP_OK) -> PeerTable.lose
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable
+
+from mq.calls import Calls
+from mq.codec import BYE, PING, REP_OK, Envelope
+from mq.errors import MQError, PeerLost
+from mq.lifecycle import Lifecycle
+from mq.peers import PeerTable
+from mq.sender import Sender
+
+log = logging.getLogger("mq")
+
+
+class Liveness:
+    """Liveness of node ``node_id``'s peers (see the module docstring).
+
+    Args:
+        heartbeat: seconds between pings of an idle peer.
+        peer_timeout: a peer silent this long is lost.
+    """
+
+    def __init__(self, node_id: int, sender: Sender, peers: PeerTable, calls: Calls, life: Lifecycle,
+                 *, heartbeat: float, peer_timeout: float):
+        self.node_id = node_id
+        self._sender = sender
+        self._peers = peers
+        self._calls = calls
+        self._life = life
+        self.heartbeat = heartbeat
+        self.peer_timeout = peer_timeout
+        self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
+
+    def stalled(self) -> None:
+        """Our reader is blocked (a full queue): frames wait unread, so silence proves nothing."""
+        self._stalled_until = time.monotonic() + self.peer_timeout
+
+    # ------------------------------------------------------------------ frames
+    def on_ping(self, env: Envelope) -> None:
+        """A heartbeat: it carries the peer's receipt for our frames; answer a flush's ping."""
+        self.on_receipt(env.sender, env.payload)
+        if isinstance(env.payload, dict) and env.payload.get("want") is True:
+            self.ping(env.sender, want=False, timeout=1.0)
+
+    def on_receipt(self, peer_id: int, payload: Any) -> None:
+        self._peers.receipt(peer_id, payload.get("rx") if isinstance(payload, dict) else None)
+
+    def on_bye(self, env: Envelope) -> None:
+        """The peer leaves: take its receipt, answer (it waits for that before closing its
+        links), and it is lost."""
+        self.on_receipt(env.sender, env.payload)
+        try:
+            self._sender.send_control(env.sender, REP_OK, None, 1.0, env.corr)
+        except Exception as exc:
+            log.debug("node %d: could not answer the farewell of node %d: %s", self.node_id, env.sender, exc)
+        self._peers.lose(env.sender, "stopped (it called stop())")
+
+    def ping(self, peer_id: int, *, want: bool, timeout: float) -> None:
+        """Send ``peer_id`` our receipt; ``want``: ask for its receipt back."""
+        p = self._peers.get(peer_id)
+        if p is None or p.lost:
+            return
+        try:
+            self._sender.send_control(peer_id, PING, {"rx": p.rx, "want": want}, timeout)
+            p.last_sent = time.monotonic()
+        except MQError as exc:  # a full link: the data itself shows we are alive
+            log.debug("node %d: heartbeat to node %d: %s", self.node_id, peer_id, exc)
+
+    # ------------------------------------------------------------------ waits
+    def flush(self, peer: int, timeout: float) -> None:
+        """Block until the (joined) ``peer`` confirmed every counted frame sent to it so far."""
+        p = self._peers.by_id[peer]
+        target = p.tx
+        self.ping(peer, want=True, timeout=timeout)
+
+        def done() -> bool:
+            if p.lost:
+                raise PeerLost(f"node {peer} {p.lost}")
+            return p.acked >= target
+
+        self._peers.wait(done, timeout, lambda: f"node {peer} confirmed {p.acked} of {target} frames "
+                                                f"within {timeout:g}s")
+
+    def farewell(self, deadline: float) -> None:
+        """Tell every live peer we leave and wait for its answer: links are FIFO, so an answer
+        means everything sent before it was received, and closing loses nothing."""
+        with contextlib.ExitStack() as calls:
+            waiting = []
+            for peer in self._peers.live():
+                corr = self._calls.new_corr()
+                fut = calls.enter_context(self._calls.pending(peer, corr))
+                try:
+                    self._sender.send_control(peer, BYE, {"rx": self._peers.by_id[peer].rx},
+                                              max(0.0, min(1.0, deadline - time.monotonic())), corr)
+                    waiting.append(fut)
+                except Exception as exc:  # a dead peer must not delay our stop
+                    log.debug("node %d: no farewell to node %d: %s", self.node_id, peer, exc)
+            for fut in waiting:
+                try:
+                    fut.result(timeout=max(0.0, deadline - time.monotonic() - 0.5))
+                except Exception:
+                    pass
+
+    # ------------------------------------------------------------------ the heartbeat thread
+    def run(self, housekeeping: Callable[[float], None]) -> None:
+        """The heartbeat thread: ping idle peers (a ping carries our receipt), declare silent
+        peers lost, and call ``housekeeping(now)`` (the join's expiries) every tick."""
+        tick = min(self.heartbeat, 0.5)
+        last = time.monotonic()
+        while self._life.listening:
+            time.sleep(tick)
+            now = time.monotonic()
+            if now - last > tick + 1.0:
+                # We were not scheduled (a loaded machine, a long GIL hold): frames may be waiting
+                # unread, so nobody's silence is proven. Judge again from now on.
+                self._stalled_until = max(self._stalled_until, now + self.heartbeat)
+            last = now
+            for p in self._peers.list():
+                if p.lost:
+                    continue
+                if now - p.last_sent >= self.heartbeat:
+                    self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))
+                silent = now - p.last_seen
+                if silent > self.peer_timeout and now > self._stalled_until:
+                    self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
+                                                "crashed or the network between us is down)")
+            housekeeping(now)

@@ -1,0 +1,192 @@
+"""The peer table: who this node knows, on which link, and waiting for that to change.
+
+:class:`PeerTable` owns the peers (node id -> :class:`Peer`), the link bindings (an
+authenticated link -> its peer's node id), the condition every wait on peers sleeps on, a
+member's refusal of our join, and the joined/lost transitions. What losing a peer means to the
+other parts (fail its calls, forget its pool, close its link) they register with
+:meth:`PeerTable.on_lost`; the table only records and notifies.
+
+Writers: the join (:mod:`mq.join`: joined, bound, refused), dispatch (subscriptions, receipts,
+a link lost, a farewell) and liveness (a silent peer). Readers: everyone, and the user's waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from mq import shm as _shm
+from mq.errors import ClosedError, ConfigError, PeerLost, Timeout
+from mq.lifecycle import Lifecycle
+from mq.routing import Route
+
+log = logging.getLogger("mq")
+
+
+@dataclass
+class Peer:
+    """What this node knows of another node."""
+
+    node_id: int
+    labels: frozenset[str] = frozenset()
+    subscriptions: frozenset[str] = frozenset()
+    route: Route | None = None
+    info: dict[str, Any] = field(default_factory=dict)  # its HELLO (addresses, locality, ...)
+    lost: str | None = None  # why the peer is gone (None while it is alive)
+    reader: _shm.PoolReader | None = None  # its pool, opened here (we receive by descriptor)
+    shm_out: bool = False  # it opened our pool: we may send it descriptors
+    max_frame_bytes: int | None = None  # the largest frame it accepts (from its HELLO)
+    tx: int = 0  # counted frames sent to it
+    rx: int = 0  # counted frames received from it
+    acked: int = 0  # how many of ours it confirmed (receipts)
+    last_seen: float = field(default_factory=time.monotonic)
+    last_sent: float = 0.0
+
+
+class PeerTable:
+    """The peers of node ``node_id`` (see the module docstring).
+
+    ``by_id`` and ``links`` are plain dicts, read without the lock on the hot path (a dict read
+    is atomic); they change only under ``changed``.
+    """
+
+    def __init__(self, node_id: int, life: Lifecycle, own_domain: str | None):
+        self.node_id = node_id
+        self._own_domain = own_domain
+        self._life = life
+        self.by_id: dict[int, Peer] = {}
+        self.get = self.by_id.get
+        self.links: dict[Any, int] = {}  # authenticated link -> its peer's node id
+        self.changed = threading.Condition()
+        self.refusal: ConfigError | None = None  # a member refused our join, and said why
+        self._lost_hooks: list[Callable[[Peer, str], None]] = []
+
+    # ------------------------------------------------------------------ reading
+    def list(self) -> list[Peer]:
+        with self.changed:
+            return list(self.by_id.values())
+
+    def live(self) -> list[int]:
+        return [p.node_id for p in self.list() if not p.lost]
+
+    def ids(self, label: str | None = None) -> list[int]:
+        """Node ids of live peers, optionally only those with ``label``."""
+        return sorted(p.node_id for p in self.list() if not p.lost and (label is None or label in p.labels))
+
+    def subscribers(self, topic: str) -> list[int]:
+        return sorted(p.node_id for p in self.list() if topic in p.subscriptions and not p.lost)
+
+    def routes(self) -> dict[int, Route]:
+        return {p.node_id: p.route for p in self.list() if not p.lost and p.route}
+
+    def host_of(self, peer: int) -> str | None:
+        """The shared-memory domain ``peer`` runs in (see :meth:`mq.MQ.host_of`)."""
+        if peer == self.node_id:
+            return self._own_domain
+        p = self.by_id.get(peer)
+        return domain(p.info.get("locality") if p is not None else None)
+
+    # ------------------------------------------------------------------ transitions
+    def bind(self, link: Any, peer_id: int) -> None:
+        """``link`` proved it is ``peer_id``'s: its frames count from now on."""
+        with self.changed:
+            self.links[link] = peer_id
+
+    def joined(self, peer: Peer) -> Peer | None:
+        """``peer`` is a member now; returns the earlier process of its id it replaces, if any."""
+        with self.changed:
+            old = self.by_id.get(peer.node_id)
+            replaced = old is not None and old.lost is None and \
+                old.info.get("incarnation") != peer.info.get("incarnation")
+            if replaced:
+                log.warning("node %d: node %d rejoined as a new process", self.node_id, peer.node_id)
+            self.by_id[peer.node_id] = peer
+            self.changed.notify_all()
+        log.debug("node %d: peer %d joined via %s", self.node_id, peer.node_id, peer.route)
+        return old if replaced else None
+
+    def on_lost(self, hook: Callable[[Peer, str], None]) -> None:
+        """Call ``hook(peer, why)`` whenever a peer is lost (on the thread that noticed)."""
+        self._lost_hooks.append(hook)
+
+    def lose(self, node_id: int, why: str) -> None:
+        """The peer died, left or went silent: senders and waiters learn it now."""
+        with self.changed:
+            peer = self.by_id.get(node_id)
+            if peer is None or peer.lost:
+                return
+            unacked = peer.tx - peer.acked
+            if unacked > 0:  # never counted as delivered: the sender learns it here
+                why = f"{why}; {unacked} frame(s) sent to it were never acknowledged"
+            peer.lost = why
+            self.changed.notify_all()
+        log.info("node %d: peer %d lost: %s", self.node_id, node_id, why)
+        for hook in self._lost_hooks:
+            hook(peer, why)
+
+    def wake(self) -> None:
+        """Wake every wait (the node stopped: they raise ClosedError)."""
+        with self.changed:
+            self.changed.notify_all()
+
+    def refused(self, error: ConfigError) -> None:
+        """A member refused our join: the next wait raises ``error``."""
+        with self.changed:
+            self.refusal = error
+            self.changed.notify_all()
+
+    def set_subscriptions(self, peer_id: int, topics: Any) -> None:
+        with self.changed:
+            peer = self.by_id.get(peer_id)
+            if peer is not None:
+                peer.subscriptions = frozenset(t for t in topics if isinstance(t, str))
+                self.changed.notify_all()
+
+    def receipt(self, peer_id: int, rx: Any) -> None:
+        """``peer_id`` confirmed it received ``rx`` of our counted frames."""
+        with self.changed:
+            peer = self.by_id.get(peer_id)
+            if peer is not None and type(rx) is int and peer.acked < rx <= peer.tx:
+                peer.acked = rx
+                self.changed.notify_all()
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self, ready: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+        """Until ``ready()`` (checked whenever the table changes), or Timeout saying ``what()``.
+        Raises a member's refusal of our join, and ClosedError once the node stops."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not ready():
+                if self.refusal is not None:
+                    raise self.refusal
+                if not self._life.listening:
+                    raise ClosedError("the queue is not listening")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(what())
+                self.changed.wait(min(left, 0.5))
+
+    def wait_peer(self, peer: int, timeout: float, unanswered: Callable[[], str]) -> None:
+        """Until ``peer`` joined; PeerLost when it is gone, ConfigError for a bad id."""
+        if not isinstance(peer, int) or isinstance(peer, bool):
+            raise ConfigError(f"peer must be a node id (int), got {peer!r}")
+        if peer == self.node_id:
+            raise ConfigError(f"node {peer} is this node; send to another node id")
+        self._life.check("send")
+        p = self.by_id.get(peer)
+        if p is not None and p.lost is None:
+            return
+        if p is not None and p.lost:
+            raise PeerLost(f"node {peer} {p.lost}")
+        self.wait(lambda: peer in self.by_id, timeout,
+                  lambda: f"node {peer} has not joined within {timeout:g}s; peers: {self.ids()}{unanswered()}")
+
+
+def domain(loc: Any) -> str | None:
+    """The shared-memory domain of a wire-form locality: boot id, IPC and network namespaces."""
+    if not isinstance(loc, dict) or not loc.get("boot_id"):
+        return None
+    return f"{loc['boot_id']}/{loc.get('ipc_ns')}/{loc.get('net_ns')}"

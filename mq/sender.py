@@ -1,0 +1,267 @@
+"""Sending: from an encoded frame to ``transport.send``, through each peer's data path.
+
+:class:`Sender` owns the frame sequence numbers, this node's shared-memory pool (and the
+RELEASE frames that give a peer's slots back), and the choice per peer and per buffer between
+inline bytes and a shm descriptor. Data flows one way::
+
+    facade / calls / join / liveness / fan-out -> Sender.encode -> Sender.deliver_to
+        -> data path per peer (inline | one shm copy, descriptors) -> transport.send
+
+Counts what it sends (``Stats.sent``, per-peer ``tx``/``last_sent``, per-topic metrics); reads
+the peer table, never changes who is a peer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from mq import metrics as _metrics
+from mq import shm as _shm
+from mq.codec import MSG, RELAY, REP_ERR, REP_OK, REQ, RELEASE, Codec, Frame
+from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
+from mq.lifecycle import Lifecycle
+from mq.peers import Peer, PeerTable
+from mq.stats import Stats
+from mq.transport import Receipt, Transport
+
+log = logging.getLogger("mq")
+
+# Frames these kinds carry are counted both ways; receipts (PING "rx") acknowledge them.
+COUNTED = frozenset({MSG, REQ, REP_OK, REP_ERR, RELAY})
+
+
+class Sender:
+    """Sends the frames of node ``node_id`` (see the module docstring).
+
+    Args:
+        shm_options: ``(pool_bytes, inline_max)`` of the pool :meth:`open_pool` makes.
+        shm: whether to make one at all (``shm_unavailable`` says why not).
+    """
+
+    def __init__(self, node_id: int, transport: Transport, codec: Codec, peers: PeerTable,
+                 life: Lifecycle, stats: Stats, metrics: _metrics.Metrics, *,
+                 shm: bool, shm_options: tuple[int, int]):
+        _shm.Pool.check_options(*shm_options)
+        self.node_id = node_id
+        self._transport = transport
+        self._send = transport.send
+        self._codec = codec
+        self._peers = peers
+        self._peer_get = peers.get
+        self._life = life
+        self._stats = stats
+        self._metrics = metrics
+        self._seq = itertools.count()
+        self._shm_options = shm_options
+        self._shm_wanted = bool(shm)
+        self.pool: _shm.Pool | None = None
+        self.shm_unavailable: str | None = None if shm else "turned off (shm=False)"
+        self._releases = _shm.ReleaseQueue()
+        self._releaser: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ frames
+    def encode(self, kind: int, topic: str, payload: Any, corr: int = 0) -> Frame:
+        return self._codec.encode(kind, topic, self.node_id, next(self._seq), corr, payload)
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def send_frame(self, peer: int, kind: int, topic: str, payload: Any, *, timeout: float,
+                   corr: int = 0) -> None:
+        self.deliver_to([peer], self.encode(kind, topic, payload, corr), time.monotonic() + timeout)
+
+    def send_raw(self, peer: int, frame: Frame, timeout: float) -> None:
+        """Control frames (handshake, farewell, releases): inline, receipt awaited."""
+        receipt = self._send(peer, frame, timeout)
+        if receipt is not None:
+            receipt()
+
+    def send_control(self, peer: int, kind: int, payload: Any, timeout: float, corr: int = 0) -> None:
+        self.send_raw(peer, self.encode(kind, "", payload, corr), timeout)
+
+    # ------------------------------------------------------------------ data paths
+    def deliver_to(self, peers: list[int], frame: Frame, deadline: float) -> None:
+        """Send one frame to ``peers`` through each one's data path, then wait for every
+        receipt together (a transfer from the caller's memory must finish before we return).
+        A peer the frame never reached gives back its slot references at once."""
+        if len(peers) == 1 and (self.pool is None or not frame.sizes or not self.pool.wants(max(frame.sizes))):
+            # One peer, every buffer inline: the common small message.
+            receipt = self._send_checked(peers[0], frame, max(0.0, deadline - time.monotonic()))
+            if frame.kind == MSG:
+                self._metrics.sent(frame.head[2], frame.nbytes)
+            if receipt is not None:
+                receipt()
+            return
+        frames, descs, shm_peers = self._data_paths(peers, frame, deadline)
+        receipts: list[Receipt] = []
+        try:
+            for n, peer in enumerate(peers):
+                try:
+                    receipt = self._send_checked(peer, frames[peer], max(0.0, deadline - time.monotonic()))
+                except BaseException:
+                    self._unhold(descs, [p for p in peers[n:] if p in shm_peers])
+                    raise
+                if receipt is not None:
+                    receipts.append(receipt)
+                if frame.kind == MSG:
+                    self._metrics.sent(frame.head[2], frame.nbytes)
+        finally:
+            errors = []
+            for receipt in receipts:
+                try:
+                    receipt()
+                except MQError as exc:
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _data_paths(self, peers: list[int], frame: Frame,
+                    deadline: float) -> tuple[dict[int, Frame], dict[int, list[int]], list[int]]:
+        """The frame each peer gets: large CPU buffers go by shm descriptor to peers that read
+        our pool (one copy shared by all of them), inline to the others."""
+        pool = self.pool
+        big = [i for i, n in enumerate(frame.sizes)
+               if pool is not None and pool.wants(n) and _on_cpu(frame.buffers[i])]
+        shm_peers = [p for p in peers if getattr(self._peer_get(p), "shm_out", False)] if big else []
+        frames = dict.fromkeys(peers, frame)
+        if not shm_peers:
+            return frames, {}, []
+        assert pool is not None
+        descs: dict[int, list[int]] = {}
+        try:
+            for i in big:
+                descs[i] = pool.place(frame.buffers[i], shm_peers, max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            self._unhold(descs, shm_peers)
+            raise
+        shared = frame.with_descriptors(descs)
+        frames.update(dict.fromkeys(shm_peers, shared))
+        return frames, descs, shm_peers
+
+    def _unhold(self, descs: dict[int, list[int]], peers: list[int]) -> None:
+        """The frame never reached ``peers``: give back the slot references held for them."""
+        assert self.pool is not None
+        for seg_id, _fd, gen, _off, _n in descs.values():
+            for peer in peers:
+                self.pool.release(peer, seg_id, gen)
+
+    def checked_peer(self, peer: int, frame: Frame, what: str = "send") -> Peer:
+        """The live peer ``peer`` if ``frame`` may go to it now; raises why not."""
+        if self._life.state != "listening":
+            raise ClosedError(self._life.not_listening(what))
+        p = self._peer_get(peer)
+        if p is None:
+            raise PeerLost(f"node {peer} is not a known peer of node {self.node_id}; known: {self._peers.ids()}")
+        if p.lost:
+            raise PeerLost(f"node {peer} {p.lost}")
+        if p.max_frame_bytes is not None and frame.nbytes > p.max_frame_bytes:
+            raise ConfigError(f"a frame of {frame.nbytes} bytes exceeds node {peer}'s max_frame_bytes="
+                              f"{p.max_frame_bytes}: send smaller pieces, or raise max_frame_bytes on "
+                              f"node {peer}; nothing was sent")
+        return p
+
+    def _send_checked(self, peer: int, frame: Frame, timeout: float) -> Receipt | None:
+        p = self._peer_get(peer)
+        if (p is None or p.lost or self._life.state != "listening"
+                or (p.max_frame_bytes is not None and frame.nbytes > p.max_frame_bytes)):
+            p = self.checked_peer(peer, frame)  # raises why (inline above: the hot path)
+        try:
+            receipt = self._send(peer, frame, timeout)
+        except (ClosedError, Timeout):
+            if p.lost:  # the link was torn down under us because the peer died
+                raise PeerLost(f"node {peer} {p.lost}") from None
+            raise
+        if frame.kind in COUNTED:
+            p.tx += 1
+        p.last_sent = time.monotonic()
+        self._stats.sent += 1
+        return receipt
+
+    # ------------------------------------------------------------------ the pool
+    def open_pool(self) -> None:
+        """Make this node's pool (when wanted) and start returning peers' slots."""
+        if not self._shm_wanted:
+            return
+        try:
+            self.pool = _shm.Pool(*self._shm_options, label=str(self.node_id))
+        except OSError as exc:  # e.g. no memfd, or no memory for the probe: sockets only
+            self.shm_unavailable = f"cannot make a shared-memory pool here ({exc})"
+            log.warning("node %d: %s; same-host peers use a socket", self.node_id, self.shm_unavailable)
+            return
+        self._releaser = threading.Thread(target=self._release_loop, daemon=True,
+                                          name=f"mq{self.node_id}-shm-release")
+        self._releaser.start()
+
+    def need_pool(self) -> _shm.Pool:
+        if self.pool is None:
+            why = self.shm_unavailable or "the queue is not listening (use `with q:` or q.listen())"
+            raise ConfigError(f"node {self.node_id} has no shared-memory pool: {why}")
+        return self.pool
+
+    def releaser_for(self, peer: int) -> Callable[[int, int], None]:
+        """What a reader of ``peer``'s pool calls when our views of a slot are gone."""
+        put = self._releases.put
+        return lambda seg_id, gen: put(peer, seg_id, gen)
+
+    def on_release(self, peer: int, items: Any) -> None:
+        """``peer``'s RELEASE frame: its views of our slots are gone."""
+        if self.pool is not None and isinstance(items, list):
+            for item in items:
+                if isinstance(item, list) and len(item) == 3:
+                    self.pool.release(peer, *item)
+
+    def forget(self, peer: Peer, _why: str = "") -> None:
+        """``peer`` is gone: its slots in our pool are free, its pool is closed here."""
+        if self.pool is not None:
+            self.pool.peer_gone(peer.node_id)
+        if peer.reader is not None:
+            peer.reader.close()
+
+    def disconnect(self, peer: Peer, _why: str = "") -> None:
+        """``peer`` is gone: close its link, so every send blocked on it returns now. Not from
+        this thread: it may be the transport's own callback, which must not close its socket
+        under itself."""
+        threading.Thread(target=self._disconnect, args=(peer.node_id,), daemon=True).start()
+
+    def _disconnect(self, node_id: int) -> None:
+        try:
+            self._transport.disconnect(node_id)
+        except Exception:
+            log.debug("node %d: disconnect from node %d", self.node_id, node_id, exc_info=True)
+
+    def pool_stats(self) -> dict[str, int]:
+        if self.pool is None:
+            return {}
+        readers = [p.reader for p in self._peers.list() if p.reader is not None]
+        return dict(self.pool.stats, peers_mapped_bytes=sum(r.mapped_bytes for r in readers),
+                    descriptors_refused=sum(r.refused for r in readers))
+
+    def close(self) -> None:
+        """After the transport closed: wake the releaser, close the pools."""
+        self._releases.wake()
+        readers = [p.reader for p in self._peers.list() if p.reader is not None]
+        for reader in readers:
+            reader.close()
+        if self.pool is not None:
+            self.pool.close()
+
+    def _release_loop(self) -> None:
+        """Send RELEASE frames for slots our receivers' views no longer reference (batched)."""
+        while self._life.state in ("new", "listening", "stopping"):
+            for peer, items in self._releases.take(0.5).items():
+                p = self._peer_get(peer)
+                if p is None or p.lost:
+                    continue  # its pool went with it
+                try:
+                    self.send_control(peer, RELEASE, items, 1.0)
+                except MQError as exc:
+                    log.debug("node %d: release to node %d: %s", self.node_id, peer, exc)
+
+
+def _on_cpu(buf: Any) -> bool:
+    device = getattr(buf, "device", None)
+    return device is None or getattr(device, "type", "cpu") == "cpu"
