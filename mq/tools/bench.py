@@ -69,11 +69,13 @@ import logging
 import math
 import multiprocessing as mp
 import multiprocessing.spawn as mp_spawn
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from mq.errors import ConfigError
+from mq.supervise import stop_processes, stop_signals_raise
 from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
     ROW_FIELDS, TARGETS, Report, _read, _targets, fmt_ms, fmt_ratio, machine_info, machine_line,
     pivot, plot, row_label, row_note, to_csv, to_json, to_markdown, write_all,
@@ -186,6 +188,10 @@ class _WorkerFailed(Exception):
     """A worker answered with an error, died, or did not answer in time."""
 
 
+def _exit_by_signal(signum: int) -> SystemExit:
+    return SystemExit(128 + signum)
+
+
 class _Proc:
     """One spawned worker and its command pipe."""
 
@@ -237,10 +243,7 @@ class _Proc:
 
     def kill(self) -> None:
         with contextlib.suppress(Exception):
-            if self.proc.is_alive():
-                self.proc.kill()
-        with contextlib.suppress(Exception):
-            self.proc.join(5)
+            stop_processes([self.proc], grace_s=0)
         with contextlib.suppress(Exception):
             self.conn.close()
 
@@ -414,11 +417,10 @@ class _Runner:
 
     # -------------------------------------------------------------- run
     def run(self) -> None:
-        from mq.tools.netns import signals_raise
-
         groups = self.plan()
         self.progress({"event": "start"})
-        with signals_raise():
+        # SIGTERM and SIGHUP end the run through the finally below: namespaces removed, workers killed.
+        with stop_signals_raise(_exit_by_signal, (signal.SIGTERM, signal.SIGHUP), sigint_raises=True):
             try:
                 self._start_bound()
                 for hosts in self.cfg.hosts:

@@ -7,7 +7,6 @@ a pipe with ``connect`` / ``batch`` / ``free`` / ``stop`` commands (see :func:`_
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import logging
 import os
@@ -22,6 +21,7 @@ import traceback
 import warnings
 from typing import Any
 
+from mq.supervise import die_with_parent
 from mq.tools.bench_units import GB, MAX_SIZE, MB
 
 CONNECT_TIMEOUT_S = 90.0  # spawn + import torch + rendezvous, on a loaded 2-core machine
@@ -847,16 +847,10 @@ _ENDPOINTS = {"mq": _MqEndpoint, "pynng": _PynngEndpoint, "zmq": _ZmqEndpoint, "
               "bound": _BoundEndpoint, "link": _LinkEndpoint}
 
 
-def _die_with_parent() -> None:
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
 def _worker(role: str, spec: dict[str, Any], conn: Any) -> None:
     """Entry point of a spawned A or B process; obeys commands from the orchestrator."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the orchestrator's to handle
-    _die_with_parent()
+    die_with_parent()
     os.environ.update(spec.get("env") or {})
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # TensorPipe's shutdown warnings
     warnings.filterwarnings("ignore")
