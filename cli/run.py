@@ -7,8 +7,7 @@ import sys
 import click
 
 from mq.errors import ConfigError, MQError
-
-MQ_TYPES = ("nng", "torchrpc:cpu", "torchrpc:cuda")
+from mq.launch_profiles import launchable_mq_types
 
 
 def _int_list(value: str | None, what: str) -> list[int] | None:
@@ -32,7 +31,7 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
 @click.option("--parallel-workers", "-n", type=int, default=None,
               help="Workers (nodes) to start on this machine [default: 1; under --platform slurm, "
                    "one worker per srun task, while -n W runs W per host with one task per host].")
-@click.option("--mq-type", default="nng", show_default=True, metavar="|".join(MQ_TYPES),
+@click.option("--mq-type", default="nng", show_default=True, metavar="|".join(launchable_mq_types()),
               help="Backend: nng, torchrpc:cpu (GPU tensors staged via host) or torchrpc:cuda "
                    "(device to device through device maps).")
 @click.option("--topology", default="mesh", show_default=True, metavar="mesh|star|alone",
@@ -115,8 +114,6 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
             cuda_device_map=cuda_device_map, busy_poll=busy_poll, platform=platform,
             startup_interval=startup_interval, log_level=log_level, package=package,
             args={"argv": list(args)})
-        if cuda_device_map and mq_type == "torchrpc:cuda":
-            device_map.parse(cuda_device_map, plan.node_ids[0], plan.options[plan.node_ids[0]].get("local_cuda_devices"))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     try:

@@ -186,59 +186,80 @@ def parse(
     raw_tokens = spec.split(",")
     for position, raw in enumerate(raw_tokens, start=1):
         token = raw.strip()
-        if not token:
-            raise ConfigError(
-                f"cuda device map {spec!r} has an empty token '' at position {position} of "
-                f"{len(raw_tokens)}: separate tokens with single commas and no trailing comma, "
-                f"each {_GRAMMAR}"
-            )
-        parts = token.split("_")
-        if len(parts) != 3:
-            raise ConfigError(
-                f"cuda device map token {token!r} is malformed: it has {len(parts)} part(s) but "
-                f"expected 3, {_GRAMMAR}"
-            )
-        peer, lgpu, rgpu = (_parse_index(p, token, f) for p, f in zip(parts, _FIELDS))
+        peer, lgpu, rgpu = _parse_token(token, spec, position, len(raw_tokens))
         if peer == node_id:
             continue  # one spec serves every node: our own entries mean nothing here
-        if peer_set is not None and peer not in peer_set:
-            raise ConfigError(
-                f"cuda device map token {token!r} names unknown peer node {peer}: the peers are "
-                f"{sorted(peer_set)}; use one of them or drop the token"
-            )
-        if local is not None and lgpu not in local:
-            raise ConfigError(
-                f"cuda device map token {token!r} names unknown local GPU {lgpu}: this node's "
-                f"logical CUDA devices are {local} (indices after CUDA_VISIBLE_DEVICES and "
-                f"--local-cuda-devices); use one of them or add it to --local-cuda-devices"
-            )
-        if peer_cuda_devices is not None and peer in peer_cuda_devices:
-            remote = _check_device_list(peer_cuda_devices[peer], f"peer_cuda_devices[{peer}]")
-            if rgpu not in remote:
-                raise ConfigError(
-                    f"cuda device map token {token!r} names unknown peer GPU {rgpu}: node {peer} "
-                    f"has CUDA devices {remote}; map to one of them"
-                )
-        prev = by_local.get((peer, lgpu))
-        if prev is not None:
-            if result[peer][lgpu] == rgpu:
-                continue  # an identical repeat says nothing new
-            raise ConfigError(
-                f"cuda device map token {token!r} is a conflicting duplicate of {prev!r}: local "
-                f"GPU {lgpu} for peer {peer} is mapped to both GPU {result[peer][lgpu]} and GPU "
-                f"{rgpu}; keep only one of them"
-            )
-        prev = by_remote.get((peer, rgpu))
-        if prev is not None:
-            raise ConfigError(
-                f"cuda device map token {token!r} makes the map for peer {peer} not invertible: "
-                f"{prev!r} already maps a local GPU to peer GPU {rgpu} (TensorPipe needs a "
-                f"one-to-one map per peer); map each local GPU to a different peer GPU"
-            )
-        by_local[(peer, lgpu)] = token
-        by_remote[(peer, rgpu)] = token
-        result.setdefault(peer, {})[lgpu] = rgpu
+        _check_token_devices(token, peer, lgpu, rgpu, peer_set, local, peer_cuda_devices)
+        _add_token(result, by_local, by_remote, token, (peer, lgpu, rgpu))
     return result
+
+
+def _parse_token(token: str, spec: str, position: int, count: int) -> tuple[int, int, int]:
+    """``peer_local_peergpu`` -> the three indices; ConfigError quoting a malformed token."""
+    if not token:
+        raise ConfigError(
+            f"cuda device map {spec!r} has an empty token '' at position {position} of "
+            f"{count}: separate tokens with single commas and no trailing comma, "
+            f"each {_GRAMMAR}"
+        )
+    parts = token.split("_")
+    if len(parts) != 3:
+        raise ConfigError(
+            f"cuda device map token {token!r} is malformed: it has {len(parts)} part(s) but "
+            f"expected 3, {_GRAMMAR}"
+        )
+    peer, lgpu, rgpu = (_parse_index(p, token, f) for p, f in zip(parts, _FIELDS))
+    return peer, lgpu, rgpu
+
+
+def _check_token_devices(token: str, peer: int, lgpu: int, rgpu: int, peer_set: set[int] | None,
+                         local: list[int] | None,
+                         peer_cuda_devices: Mapping[int, Sequence[int]] | None) -> None:
+    """A token may only name known peers, this node's GPUs and GPUs the peer has."""
+    if peer_set is not None and peer not in peer_set:
+        raise ConfigError(
+            f"cuda device map token {token!r} names unknown peer node {peer}: the peers are "
+            f"{sorted(peer_set)}; use one of them or drop the token"
+        )
+    if local is not None and lgpu not in local:
+        raise ConfigError(
+            f"cuda device map token {token!r} names unknown local GPU {lgpu}: this node's "
+            f"logical CUDA devices are {local} (indices after CUDA_VISIBLE_DEVICES and "
+            f"--local-cuda-devices); use one of them or add it to --local-cuda-devices"
+        )
+    if peer_cuda_devices is not None and peer in peer_cuda_devices:
+        remote = _check_device_list(peer_cuda_devices[peer], f"peer_cuda_devices[{peer}]")
+        if rgpu not in remote:
+            raise ConfigError(
+                f"cuda device map token {token!r} names unknown peer GPU {rgpu}: node {peer} "
+                f"has CUDA devices {remote}; map to one of them"
+            )
+
+
+def _add_token(result: dict[int, dict[int, int]], by_local: dict[tuple[int, int], str],
+               by_remote: dict[tuple[int, int], str], token: str,
+               entry: tuple[int, int, int]) -> None:
+    """Add one token's mapping; each peer's map must stay one-to-one (identical repeats pass)."""
+    peer, lgpu, rgpu = entry
+    prev = by_local.get((peer, lgpu))
+    if prev is not None:
+        if result[peer][lgpu] == rgpu:
+            return  # an identical repeat says nothing new
+        raise ConfigError(
+            f"cuda device map token {token!r} is a conflicting duplicate of {prev!r}: local "
+            f"GPU {lgpu} for peer {peer} is mapped to both GPU {result[peer][lgpu]} and GPU "
+            f"{rgpu}; keep only one of them"
+        )
+    prev = by_remote.get((peer, rgpu))
+    if prev is not None:
+        raise ConfigError(
+            f"cuda device map token {token!r} makes the map for peer {peer} not invertible: "
+            f"{prev!r} already maps a local GPU to peer GPU {rgpu} (TensorPipe needs a "
+            f"one-to-one map per peer); map each local GPU to a different peer GPU"
+        )
+    by_local[(peer, lgpu)] = token
+    by_remote[(peer, rgpu)] = token
+    result.setdefault(peer, {})[lgpu] = rgpu
 
 
 def format(mapping: Mapping[int, Mapping[int, int]]) -> str:  # noqa: A001 - name is the API

@@ -21,7 +21,6 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import errno
 import importlib
 import json
@@ -34,13 +33,15 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping
 
+from mq import device_map, platforms
 from mq.errors import ConfigError, MQError, Timeout
+from mq.launch_profiles import LaunchProfile, LocalJob, WorkerExtras, profile_for
 from mq.registry import check_mq_type, create
-from mq.rendezvous import TOPOLOGIES, attach_targets, parse_init_method
+from mq.rendezvous import TOPOLOGIES, parse_init_method
+from mq.supervise import die_with_parent, stop_processes, stop_signals_raise
 
 log = logging.getLogger("mq.launch")
 
@@ -125,6 +126,8 @@ class Plan:
     topology: str = "mesh"
     #: node id -> host it runs on, for messages naming a failed node (platform plans).
     hosts: dict[int, str] = field(default_factory=dict)
+    #: Whether a worker passes a job abort on to its peers (they may not reach the failed node).
+    relay_abort: bool = False
 
 
 # ---------------------------------------------------------------------- resolving main
@@ -213,17 +216,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def make_plan(main: Callable[..., Any] | str, *, n_workers: int | None = None, mq_type: str = "nng",
-              topology: str = "mesh", labels: Any = None, roles: str | None = None,
-              node_ids: Iterable[int] | None = None, world_size: int | None = None,
-              protocol: str = "auto", address: str | None = None, ports: Iterable[int] | None = None,
-              attach_to: Iterable[str] = (), init_method: str | None = None,
-              local_cuda_devices: Iterable[int] | None = None, cuda_device_map: str | None = None,
-              busy_poll: bool | None = None, platform: str = "local", startup_interval: float = 0.0, log_level: str = "WARNING",
-              package: str | None = None, mq_options: Mapping[str, Any] | None = None,
-              args: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
-              check_network: bool = True) -> Plan:
-    """Validate every option and decide each worker's node id, labels and queue options.
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What a job asks the launcher for: the ``mq run`` flags, and :func:`launch`'s options.
 
     ``n_workers`` None means one worker locally and, under ``platform="slurm"``, one worker
     per Slurm task (``srun -n 4``); a number under Slurm runs that many workers per host (one
@@ -231,111 +226,161 @@ def make_plan(main: Callable[..., Any] | str, *, n_workers: int | None = None, m
     over the whole job. ``check_network`` resolves every host name and checks this host's
     ports before anything starts (off for planning on another machine). ``busy_poll``: see
     :class:`mq.backends.nng.NngTransport` and :class:`mq.backends.torchrpc.TorchRpcTransport`;
-    None leaves the transport's default (on for both).
+    None leaves the transport's default (on for both). ``mq_options`` go to every worker's
+    ``mq.create`` as given; ``args`` reach ``main`` as ``ctx.args``.
+    """
+
+    main: Callable[..., Any] | str
+    n_workers: int | None = None
+    mq_type: str = "nng"
+    topology: str = "mesh"
+    labels: Any = None
+    roles: str | None = None
+    node_ids: Iterable[int] | None = None
+    world_size: int | None = None
+    protocol: str = "auto"
+    address: str | None = None
+    ports: Iterable[int] | None = None
+    attach_to: Iterable[str] = ()
+    init_method: str | None = None
+    local_cuda_devices: Iterable[int] | None = None
+    cuda_device_map: str | None = None
+    busy_poll: bool | None = None
+    platform: str = "local"
+    startup_interval: float = 0.0
+    log_level: str = "WARNING"
+    package: str | None = None
+    mq_options: Mapping[str, Any] | None = None
+    args: Mapping[str, Any] | None = None
+    environ: Mapping[str, str] | None = None
+    check_network: bool = True
+
+    def check(self) -> None:
+        """ConfigError for an option that is wrong whatever the platform and backend."""
+        n = self.n_workers
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ConfigError(f"the number of workers must be >= 1, got {n!r}")
+        if self.topology not in TOPOLOGIES:
+            raise ConfigError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.protocol not in ("auto", "tcp", "ipc"):
+            raise ConfigError(f"protocol must be auto, tcp or ipc, got {self.protocol!r}")
+        if self.startup_interval < 0:
+            raise ConfigError(f"startup interval must be >= 0 seconds, got {self.startup_interval}")
+        if self.platform not in platforms.PLATFORMS:
+            raise ConfigError(f"platform must be {', '.join(platforms.PLATFORMS[:-1])} or "
+                              f"{platforms.PLATFORMS[-1]}, got {self.platform!r}")
+        if self.init_method:
+            parse_init_method(self.init_method, self.environ)
+        if self.busy_poll is not None and not isinstance(self.busy_poll, bool):
+            raise ConfigError(f"busy_poll={self.busy_poll!r}: it is True or False (or None for the "
+                              "transport's default)")
+
+
+@dataclass
+class _Layout:
+    """Where this machine's workers are: their ids, the job's size, their connection options
+    and hosts (platform plans)."""
+
+    node_ids: list[int]
+    world_size: int
+    options: dict[int, dict[str, Any]]
+    hosts: dict[int, str] = field(default_factory=dict)
+
+
+def make_plan(main: Callable[..., Any] | str, **options: Any) -> Plan:
+    """Validate every option and decide each worker's node id, labels and queue options.
+
+    ``options`` are the fields of :class:`LaunchRequest` (the ``mq run`` flags).
 
     Raises:
         ConfigError: a bad option, an option the platform derives itself, a host name that
             does not resolve, or a port already in use. The message says which and the fix.
     """
-    mq_type = check_mq_type(mq_type)
-    if n_workers is not None and (not isinstance(n_workers, int) or isinstance(n_workers, bool) or n_workers < 1):
-        raise ConfigError(f"the number of workers must be >= 1, got {n_workers!r}")
-    if topology not in TOPOLOGIES:
-        raise ConfigError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
-    if protocol not in ("auto", "tcp", "ipc"):
-        raise ConfigError(f"protocol must be auto, tcp or ipc, got {protocol!r}")
-    if startup_interval < 0:
-        raise ConfigError(f"startup interval must be >= 0 seconds, got {startup_interval}")
-    if platform not in ("local", "slurm", "k8s"):
-        raise ConfigError(f"platform must be local, slurm or k8s, got {platform!r}")
-    if init_method:
-        parse_init_method(init_method, environ)
-    if busy_poll is not None and not isinstance(busy_poll, bool):
-        raise ConfigError(f"busy_poll={busy_poll!r}: it is True or False (or None for the transport's "
-                          "default)")
-    ref = main_ref(main)
-    resolve_main(ref, package)  # fail in the launcher, with one line, not in every worker
-    from mq import device_map, platforms
-
-    cuda_devices = list(local_cuda_devices) if local_cuda_devices is not None else None
-    if cuda_device_map:
-        device_map.reject_for_cpu(mq_type, cuda_device_map)
-    port_list = list(ports) if ports else []
-    hosts: dict[int, str] = {}
-    if platform in ("slurm", "k8s"):
-        _reject_derived(platform, mq_type, node_ids=node_ids, address=address,
-                        attach_to=list(attach_to), ports=port_list, labels=labels)
-        pplan = platforms.plan_for(platform, environ=environ, workers_per_node=n_workers,
-                                   topology=topology,
-                                   base_port=port_list[0] if port_list else platforms.DEFAULT_BASE_PORT)
-        ids = list(pplan.node_ids)
-        world = pplan.world_size
-        if world_size is not None and world_size != world:
-            raise ConfigError(f"--world-size {world_size} conflicts with --platform {platform}, whose "
-                              f"job has {world} nodes; drop --world-size")
-        if init_method and mq_type == "nng" and pplan.discovery == "static":
-            raise ConfigError(f"--init-method conflicts with --platform {platform}: nng workers find "
-                              f"each other at the addresses of {pplan.source}; drop --init-method")
-        if check_network:
-            pplan = _check_platform_network(pplan, mq_type, init_method)
-        hosts = {n: h for n, h in pplan.addresses.items()}
-        options = {}
-        for n in ids:
-            o = pplan.options_for(n)
-            if mq_type != "nng":
-                options[n] = {"init_method": init_method or o["init_method"], "world_size": world}
-            elif pplan.discovery == "static":
-                options[n] = {"listen_to": o["listen_to"], "attach_to": o["attach_to"]}
-            else:  # the workers meet in the store at init_method and dial what they find there
-                options[n] = {"listen_to": o["listen_to"], "init_method": init_method or o["init_method"],
-                              "world_size": world, "topology": topology, "attach_to": []}
+    req = LaunchRequest(main, **options)
+    mq_type = check_mq_type(req.mq_type)
+    req.check()
+    profile = profile_for(mq_type)
+    ref = main_ref(req.main)
+    resolve_main(ref, req.package)  # fail in the launcher, with one line, not in every worker
+    if req.cuda_device_map:
+        device_map.reject_for_cpu(mq_type, req.cuda_device_map)
+    if req.platform == "local":
+        layout = _plan_local(req, profile)
     else:
-        workers = 1 if n_workers is None else n_workers
-        ids = list(node_ids) if node_ids is not None else []
-        if len(ids) == 1 and workers > 1:
-            ids = list(range(ids[0], ids[0] + workers))  # a start id
-        ids = ids or list(range(workers))
-        if len(ids) != workers or len(set(ids)) != len(ids) or min(ids) < 0:
-            raise ConfigError(f"node ids {ids} must be {workers} distinct non-negative ints (one per worker)")
-        world = world_size if world_size is not None else max(ids) + 1
-        if world < max(ids) + 1:
-            raise ConfigError(f"world size {world} is too small for node ids {ids}")
-        address = address or "127.0.0.1"
-        if port_list and len(port_list) == 1 and workers > 1:
-            port_list = [port_list[0] + i for i in range(workers)]
-        if port_list and len(port_list) != workers:
-            raise ConfigError(f"--ports gives {len(port_list)} ports for {workers} workers: give one, "
-                              "or a base port")
-        if check_network:
-            ip = platforms.resolve_hosts([address], "--address")[address]
-            _check_ports_free([(address, ip, p, f"node {n}") for n, p in zip(ids, port_list)])
-        if mq_type == "nng":
-            options = _nng_options(ids, topology, protocol, address, port_list, list(attach_to),
-                                   init_method, world)
-        else:
-            im = init_method or f"tcp://{address}:{free_port(address)}"
-            options = {n: {"init_method": im, "world_size": world} for n in ids}
-    for n in ids:
-        if mq_type == "nng":
-            options[n]["protocol"] = protocol
-        else:
-            if cuda_devices is not None:
-                options[n]["local_cuda_devices"] = cuda_devices
-            if cuda_device_map:
-                options[n]["cuda_device_map"] = cuda_device_map
-        if busy_poll is not None:
-            options[n]["busy_poll"] = busy_poll
-        options[n].update(mq_options or {})
-    node_labels = parse_labels(labels, ids)
-    if roles is not None:
-        by_role = platforms.assign_roles(roles, range(world))
+        layout = _plan_platform(req, profile)
+    _add_worker_options(req, profile, layout)
+    ids = layout.node_ids
+    if req.cuda_device_map:  # the map names this host's GPUs: check it for the first worker here
+        device_map.parse(req.cuda_device_map, ids[0], layout.options[ids[0]].get("local_cuda_devices"))
+    node_labels = parse_labels(req.labels, ids)
+    if req.roles is not None:
+        by_role = platforms.assign_roles(req.roles, range(layout.world_size))
         node_labels = {n: sorted(set(node_labels[n]) | set(by_role[n])) for n in ids}
-    return Plan(main=ref, mq_type=mq_type, node_ids=ids, labels=node_labels,
-                options=options, world_size=world, args=dict(args or {}), log_level=log_level,
-                startup_interval=startup_interval, package=package, topology=topology, hosts=hosts)
+    return Plan(main=ref, mq_type=mq_type, node_ids=ids, labels=node_labels, options=layout.options,
+                world_size=layout.world_size, args=dict(req.args or {}), log_level=req.log_level,
+                startup_interval=req.startup_interval, package=req.package, topology=req.topology,
+                hosts=layout.hosts, relay_abort=profile.relays_abort(req.topology))
 
 
-def _reject_derived(platform: str, mq_type: str, *, node_ids: Any, address: str | None,
+def _add_worker_options(req: LaunchRequest, profile: LaunchProfile, layout: _Layout) -> None:
+    """The options every worker takes on top of its addresses, then the user's own."""
+    cuda_devices = list(req.local_cuda_devices) if req.local_cuda_devices is not None else None
+    extras = profile.extras(WorkerExtras(req.protocol, cuda_devices, req.cuda_device_map))
+    for n in layout.node_ids:
+        layout.options[n].update(extras)
+        if req.busy_poll is not None:
+            layout.options[n]["busy_poll"] = req.busy_poll
+        layout.options[n].update(req.mq_options or {})
+
+
+def _plan_local(req: LaunchRequest, profile: LaunchProfile) -> _Layout:
+    """``--platform local``: node ids, ports and addresses from the options."""
+    workers = 1 if req.n_workers is None else req.n_workers
+    ids = list(req.node_ids) if req.node_ids is not None else []
+    if len(ids) == 1 and workers > 1:
+        ids = list(range(ids[0], ids[0] + workers))  # a start id
+    ids = ids or list(range(workers))
+    if len(ids) != workers or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ConfigError(f"node ids {ids} must be {workers} distinct non-negative ints (one per worker)")
+    world = req.world_size if req.world_size is not None else max(ids) + 1
+    if world < max(ids) + 1:
+        raise ConfigError(f"world size {world} is too small for node ids {ids}")
+    address = req.address or "127.0.0.1"
+    port_list = list(req.ports) if req.ports else []
+    if port_list and len(port_list) == 1 and workers > 1:
+        port_list = [port_list[0] + i for i in range(workers)]
+    if port_list and len(port_list) != workers:
+        raise ConfigError(f"--ports gives {len(port_list)} ports for {workers} workers: give one, "
+                          "or a base port")
+    if req.check_network:
+        ip = platforms.resolve_hosts([address], "--address")[address]
+        _check_ports_free([(address, ip, p, f"node {n}") for n, p in zip(ids, port_list)])
+    job = LocalJob(node_ids=ids, world_size=world, topology=req.topology, address=address,
+                   ports=port_list, attach_to=list(req.attach_to), init_method=req.init_method,
+                   pick_port=free_port)
+    return _Layout(ids, world, profile.local_options(job))
+
+
+def _plan_platform(req: LaunchRequest, profile: LaunchProfile) -> _Layout:
+    """``--platform slurm|k8s``: everything from the scheduler's environment."""
+    port_list = list(req.ports) if req.ports else []
+    _reject_derived(req.platform, node_ids=req.node_ids, address=req.address,
+                    attach_to=list(req.attach_to), ports=port_list, labels=req.labels)
+    pplan = platforms.plan_for(req.platform, environ=req.environ, workers_per_node=req.n_workers,
+                               topology=req.topology,
+                               base_port=port_list[0] if port_list else platforms.DEFAULT_BASE_PORT)
+    world = pplan.world_size
+    if req.world_size is not None and req.world_size != world:
+        raise ConfigError(f"--world-size {req.world_size} conflicts with --platform {req.platform}, whose "
+                          f"job has {world} nodes; drop --world-size")
+    profile.check_platform(pplan, req.init_method)
+    if req.check_network:
+        pplan = _check_platform_network(pplan, profile, req.init_method)
+    return _Layout(list(pplan.node_ids), world, profile.platform_options(pplan, req.init_method),
+                   hosts=dict(pplan.addresses))
+
+
+def _reject_derived(platform: str, *, node_ids: Any, address: str | None,
                     attach_to: list[str], ports: list[int], labels: Any) -> None:
     """Options a platform derives from the scheduler cannot also be given: say which."""
     where = "SLURM_PROCID / the host's place in the node list" if platform == "slurm" else "the pod's rank"
@@ -351,12 +396,9 @@ def _reject_derived(platform: str, mq_type: str, *, node_ids: Any, address: str 
                           "on every host; give roles by rank with --roles learner:1,collector:*")
 
 
-def _check_platform_network(pplan: Any, mq_type: str, init_method: str | None) -> Any:
+def _check_platform_network(pplan: platforms.PlatformPlan, profile: LaunchProfile,
+                            init_method: str | None) -> platforms.PlatformPlan:
     """Resolve the plan's host names and check this host's ports, before any worker starts."""
-    from dataclasses import replace
-
-    from mq import platforms
-
     hosts = list(pplan.hosts)
     rendezvous = parse_init_method(init_method or pplan.init_method)
     if rendezvous.scheme == "tcp":
@@ -368,7 +410,7 @@ def _check_platform_network(pplan: Any, mq_type: str, init_method: str | None) -
         listen = {n: f"tcp://{ips[here]}:{pplan.ports[n]}" for n in pplan.node_ids}
         pplan = replace(pplan, listen_to={**pplan.listen_to, **listen})
     binds = []
-    if mq_type == "nng":
+    if profile.binds_plan_ports():
         binds = [(here, ips[here], pplan.ports[n], f"node {n}") for n in pplan.node_ids]
     if rendezvous.scheme == "tcp" and 0 in pplan.node_ids:  # node 0 hosts the store
         binds.append((rendezvous.host, ips[rendezvous.host], rendezvous.port, "the rendezvous store"))
@@ -395,31 +437,14 @@ def _check_ports_free(binds: list[tuple[str, str, int, str]]) -> None:
                 raise ConfigError(f"cannot listen on {host}:{port} ({who}): {exc.strerror}") from None
 
 
-def _nng_options(ids: list[int], topology: str, protocol: str, address: str, ports: list[int],
-                 extra_attach: list[str], init_method: str | None, world: int) -> dict[int, dict[str, Any]]:
-    if ports:  # static addresses: every node knows every other's address up front
-        listen = {n: f"tcp://{address}:{p}" for n, p in zip(ids, ports)}
-        return {n: {"listen_to": listen[n],
-                    "attach_to": [listen[t] for t in attach_targets(n, ids, topology)] + extra_attach}
-                for n in ids}
-    if not init_method:
-        # No ports given: the launcher picks free ones. (A rendezvous store would work too, but
-        # it needs torch.distributed, a one-second import for every worker.)
-        return _nng_options(ids, topology, protocol, address, [free_port(address) for _ in ids],
-                            extra_attach, None, world)
-    im = init_method
-    return {n: {"listen_to": f"tcp://{address}:0", "init_method": im, "world_size": world,
-                "topology": topology, "attach_to": list(extra_attach)} for n in ids}
-
-
 # ---------------------------------------------------------------------- running
 def launch(main: Callable[[Context], Any] | str, n_workers: int | None = None, mq_type: str = "nng",
            topology: str = "mesh", labels: Any = None, **options: Any) -> None:
     """Run ``main(ctx)`` in spawned worker processes, each with an open queue.
 
     ``n_workers`` workers locally (default one); under ``platform="slurm"`` the default is one
-    worker per Slurm task and a number means that many per host. Options are those of
-    :func:`make_plan` (the ``mq run`` flags), e.g. ``roles="learner:1,collector:*"``. Returns
+    worker per Slurm task and a number means that many per host. Options are the fields of
+    :class:`LaunchRequest` (the ``mq run`` flags), e.g. ``roles="learner:1,collector:*"``. Returns
     when every worker returned.
 
     Raises:
@@ -451,29 +476,6 @@ class _JobStopped(BaseException):
                            "was told to stop and say goodbye", exit_code=128 + self.signum)
 
 
-@contextmanager
-def _sigterm_raises() -> Iterator[threading.Event]:
-    """Turn SIGTERM into an exception in the main thread while the job runs, so the launcher
-    stops its workers gracefully instead of dying at once (and taking them down by SIGKILL).
-    Set the event it yields when the job is stopping for another reason: SIGTERM is then
-    ignored, as it is after the first one."""
-    stopping = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stopping
-        return
-
-    def on_term(signum: int, frame: Any) -> None:
-        if not stopping.is_set():  # once: a later SIGTERM must not break off the graceful stop
-            stopping.set()
-            raise _JobStopped(signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield stopping
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _pass_job_secret(plan: Plan) -> None:
     """Resolve the job secret once (MQ_SECRET, else the per-user file) and give it to every
     worker through MQ_SECRET: they prove the same secret and never race to create the file."""
@@ -496,7 +498,9 @@ def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
     reports = ctx.SimpleQueue()  # worker -> launcher: the abort that stopped it
     announce = ctx.Array("c", 4096)  # launcher -> workers: a failure they must tell the job about
     procs: dict[int, Any] = {}
-    with _sigterm_raises() as stopping:
+    # SIGTERM (scancel, kubelet) stops the workers gracefully instead of killing the launcher
+    # at once (and them by SIGKILL); a second one must not break off that stop.
+    with stop_signals_raise(_JobStopped) as stopping:
         try:
             for i, n in enumerate(plan.node_ids):
                 if i and plan.startup_interval:
@@ -577,16 +581,7 @@ def _announce(plan: Plan, procs: dict[int, Any], announce: Any, info: dict[str, 
 
 
 def _stop_all(procs: dict[int, Any]) -> None:
-    for p in procs.values():
-        if p.exitcode is None:
-            p.terminate()
-    deadline = time.monotonic() + GRACE_S
-    for p in procs.values():
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs.values():
-        if p.exitcode is None:
-            p.kill()
-            p.join(1.0)
+    stop_processes(procs.values(), GRACE_S)
 
 
 # ---------------------------------------------------------------------- the worker process
@@ -613,7 +608,10 @@ class _WorkerState:
 
 
 def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
-    _die_with_parent()
+    # The kernel stops this worker when the launcher dies, so no orphan survives it. SIGTERM,
+    # not SIGKILL: the worker then says goodbye and removes its socket file even when the
+    # launcher was SIGKILLed; a worker that cannot stop kills itself after GRACE_S.
+    die_with_parent(signal.SIGTERM, exit_if_orphaned=True)
     logging.basicConfig(level=plan.log_level.upper(),
                         format=f"%(asctime)s node{node_id} %(name)s %(levelname)s: %(message)s")
     state = _WorkerState()
@@ -639,7 +637,7 @@ def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
         info = msg.payload if isinstance(msg.payload, dict) else {}
         state.aborted_by = {"node": info.get("node", msg.sender), "host": info.get("host", ""),
                             "error": str(info.get("error", "failed"))}
-        state.relay = plan.mq_type == "nng" and plan.topology != "mesh"  # a star leaf knows only the hub
+        state.relay = plan.relay_abort
         signal.pthread_kill(main_ident, signal.SIGUSR1)  # wakes main even in a blocking call
 
     for signum in _JOB_SIGNALS:
@@ -763,20 +761,6 @@ def _tell_peers(q: Any, info: Mapping[str, Any], skip: set[Any]) -> None:
             q.send(peer, ABORT_TOPIC, dict(info), timeout=min(1.0, left))
         except MQError as exc:
             log.debug("node %d: could not tell node %d to stop: %s", q.node_id, peer, exc)
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel stops this worker when the launcher dies, so no orphan survives it.
-
-    SIGTERM, not SIGKILL: the worker then says goodbye and removes its socket file even when
-    the launcher was SIGKILLed; a worker that cannot stop kills itself after GRACE_S."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the launcher died before prctl took effect
-            os._exit(1)
-    except OSError:
-        pass
 
 
 def _describe_exit(code: int) -> str:

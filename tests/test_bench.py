@@ -252,14 +252,14 @@ def test_stream_is_lossless_and_compared_with_raw_push_pull():
 
 @pytest.mark.timeout(10)
 def test_stream_receiver_counts_gaps_and_the_sender_rejects_them():
-    from mq.tools.bench_workers import _check_stream_ack, _Sequence
+    from mq.tools.bench_endpoint import StreamSequence, check_stream_ack
 
-    seq = _Sequence(3)
+    seq = StreamSequence(3)
     assert [seq.feed(i) for i in range(3)] == [None, None, (3, 0)]
-    _check_stream_ack((3, 0), 3)
+    check_stream_ack((3, 0), 3)
     assert [seq.feed(i) for i in (3, 5)] == [None, (6, 1)]  # 4 was lost
     with pytest.raises(RuntimeError, match="lost or reordered"):
-        _check_stream_ack((6, 1), 6)
+        check_stream_ack((6, 1), 6)
 
 
 @pytest.mark.timeout(120)

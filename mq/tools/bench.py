@@ -62,18 +62,16 @@ The library part (:func:`run`) returns a :class:`Report`; :mod:`mq.cli.bench` pr
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.metadata
-import importlib.util
 import logging
 import math
 import multiprocessing as mp
-import multiprocessing.spawn as mp_spawn
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from mq.errors import ConfigError
+from mq.supervise import stop_signals_raise
 from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
     ROW_FIELDS, TARGETS, Report, _read, _targets, fmt_ms, fmt_ratio, machine_info, machine_line,
     pivot, plot, row_label, row_note, to_csv, to_json, to_markdown, write_all,
@@ -81,7 +79,12 @@ from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench i
 from mq.tools.bench_units import (  # noqa: F401
     DEFAULT_SIZES, GB, KB, MAX_SIZE, MB, format_size, parse_size, parse_sizes,
 )
-from mq.tools.bench_workers import CONNECT_TIMEOUT_S, MODES, _hard_timeout, _worker
+from mq.tools.bench_cases import (  # noqa: F401 (cuda_available: the CLI's)
+    HOSTS, Case, SizeResult, WorkerFailed, WorkerProc, cuda_available, mq_type_unavailable,
+    pool_api_missing, rpc_unavailable, zmq_installed,
+)
+from mq.tools.bench_endpoint import CONNECT_TIMEOUT_S, MODES, hard_timeout
+from mq.tools.bench_rows import report_rows
 
 log = logging.getLogger("mq.tools.bench")
 
@@ -103,7 +106,6 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------- config
 NNG_ROUTES = ("auto", "tcp", "ipc")
-HOSTS = ("same", "two")
 
 
 @dataclass
@@ -182,183 +184,11 @@ class BenchConfig:
 
 
 # ============================================================================= orchestrator
-class _WorkerFailed(Exception):
-    """A worker answered with an error, died, or did not answer in time."""
-
-
-class _Proc:
-    """One spawned worker and its command pipe."""
-
-    def __init__(self, ctx: Any, role: str, spec: dict[str, Any], executable: str | None = None):
-        self.role = role
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(role, spec, child), daemon=True,
-                                name=f"mq-bench-{spec['kind']}-{role}")
-        old = mp_spawn.get_executable()
-        if executable:
-            mp_spawn.set_executable(executable)
-        try:
-            self.proc.start()
-        finally:
-            if executable:
-                mp_spawn.set_executable(old)
-        child.close()
-
-    def send(self, op: str, arg: Any = None) -> None:
-        try:
-            self.conn.send((op, arg))
-        except (OSError, ValueError) as exc:
-            raise _WorkerFailed(f"worker {self.role} is gone ({self._exit()}): {exc}") from None
-
-    def recv(self, want: str, timeout: float) -> Any:
-        try:
-            if not self.conn.poll(timeout):
-                raise _WorkerFailed(f"worker {self.role} did not answer within {timeout:.0f}s")
-            msg = self.conn.recv()
-        except (EOFError, OSError):
-            raise _WorkerFailed(f"worker {self.role} died ({self._exit()})") from None
-        if msg[0] == "error":
-            log.debug("worker %s failed:\n%s", self.role, msg[2])
-            raise _WorkerFailed(f"worker {self.role}: {msg[1]}")
-        if msg[0] != want:
-            raise _WorkerFailed(f"worker {self.role} answered {msg[0]!r}, expected {want!r}")
-        return msg[1]
-
-    def request(self, op: str, arg: Any, want: str, timeout: float) -> Any:
-        self.send(op, arg)
-        return self.recv(want, timeout)
-
-    def _exit(self) -> str:
-        self.proc.join(0.5)
-        code = self.proc.exitcode
-        if code is None:
-            return "still running"
-        return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
-
-    def kill(self) -> None:
-        with contextlib.suppress(Exception):
-            if self.proc.is_alive():
-                self.proc.kill()
-        with contextlib.suppress(Exception):
-            self.proc.join(5)
-        with contextlib.suppress(Exception):
-            self.conn.close()
-
-
-@dataclass(eq=False)
-class _Case:
-    """One row kind: an mq configuration, a raw baseline or the memcpy bound, with its workers
-    (A, and one B per subscriber: none for the bound)."""
-
-    kind: str  # "mq" | "raw" | "bound"
-    mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:rpc, raw:rpc-cuda | memcpy
-    route: str  # requested: auto/tcp/ipc/handle (mq), tcp/ipc (raw sockets), auto (rpc), warm (bound)
-    device: str
-    hosts: str
-    mode: str = "roundtrip"  # see MODES; "bound" for the memcpy row
-    subscribers: int = 1  # B processes
-    resolved_route: str | None = None
-    baseline: "_Case | None" = None
-    unavailable: str | None = None  # never started: why
-    broken: str | None = None  # stopped working: why
-    broken_at: int | None = None
-    a: _Proc | None = None
-    bs: list[_Proc] = field(default_factory=list)
-    listen_info: dict[str, Any] = field(default_factory=dict)
-    results: dict[int, "_SizeResult"] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        where = " (two hosts)" if self.hosts == "two" else ""
-        fan = f" x{self.subscribers}" if self.mode == "fanout" else ""
-        return f"{self.mq_type}/{self.route} {self.mode}{fan}{where}"
-
-    @property
-    def procs(self) -> list[_Proc]:
-        return [p for p in (self.a, *self.bs) if p is not None]
-
-    @property
-    def alive(self) -> bool:
-        return self.unavailable is None and self.broken is None and self.a is not None
-
-    def spec(self, host: str, messages: int) -> dict[str, Any]:
-        kind = {"mq": "mq", "bound": "bound"}.get(self.kind) or _RAW_KINDS[self.mq_type.split("-")[0]]
-        return {"kind": kind, "mq_type": self.mq_type, "route": self.route, "device": self.device,
-                "host": host, "device_maps": self.mq_type == "raw:rpc-cuda", "mode": self.mode,
-                "subscribers": self.subscribers, "messages": messages}
-
-
-_RAW_KINDS = {"raw:pynng": "pynng", "raw:pyzmq": "zmq", "raw:rpc": "rpc"}
-
-
-@dataclass
-class _SizeResult:
-    samples_ns: list[int] = field(default_factory=list)
-    warm_ns: list[int] = field(default_factory=list)
-    arrival_ns: list[int] = field(default_factory=list)  # one way proper (oneway rows)
-    used_s: float = 0.0
-    rt_s: float = 0.0
-    target: int = 0
-    done: bool = False
-    skipped: str | None = None
-    link_bytes: int | None = None
+def _exit_by_signal(signum: int) -> SystemExit:
+    return SystemExit(128 + signum)
 
 
 Progress = Callable[[dict[str, Any]], None]
-
-
-def cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
-
-
-def _rpc_unavailable(cuda: bool = False) -> str | None:
-    try:
-        import torch.distributed.rpc as rpc
-
-        if not rpc.is_available():
-            return "this torch build has no torch.distributed.rpc"
-    except Exception as exc:
-        return f"torch.distributed.rpc does not import: {type(exc).__name__}: {exc}"
-    if cuda and not cuda_available():
-        return "no CUDA GPU visible"
-    return None
-
-
-def mq_type_unavailable(mq_type: str) -> str | None:
-    """Why rows of ``mq_type`` cannot be measured on this machine, or None."""
-    from mq.registry import backend_class
-
-    if mq_type.startswith("torchrpc"):
-        reason = _rpc_unavailable(cuda=mq_type == "torchrpc:cuda")
-        if reason:
-            return reason
-    try:
-        backend_class(mq_type)
-    except Exception as exc:
-        module = importlib.util.find_spec("mq.backends.torchrpc") if mq_type.startswith("torchrpc") else True
-        what = "mq.backends.torchrpc is not written yet" if module is None else "its backend does not import"
-        return f"{what} ({type(exc).__name__}: {exc})"
-    return None
-
-
-def _pool_api_missing() -> str | None:
-    """Why the by-handle row cannot run: mq's shared-memory pool API (alloc / wait_released)."""
-    import mq
-
-    if hasattr(mq.MQ, "alloc") and hasattr(mq.MQ, "wait_released"):  # what mq.create returns
-        return None
-    return "mq has no shared-memory pool API"
-
-
-def _zmq_installed() -> bool:
-    return importlib.util.find_spec("zmq") is not None
-
-
 NNG_ONLY_MODES = ("fanout", "stream")  # mq's publish / many small sends; no torch RPC rows
 ZMQ_MODES = ("roundtrip", "oneway")  # modes with a raw pyzmq row
 
@@ -368,15 +198,15 @@ class _Runner:
         self.cfg = cfg
         self.progress = progress or (lambda event: None)
         self.ctx = mp.get_context("spawn")
-        self.cases: list[_Case] = []
+        self.cases: list[Case] = []
         self.links: list[dict[str, Any]] = []
         self.notes: list[str] = []
-        self.procs: list[_Proc] = []
+        self.procs: list[WorkerProc] = []
         self.two: Any = None  # mq.tools.netns.TwoHosts while running two-hosts rows
-        self.bound = _Case("bound", "memcpy", "warm", "cpu", "same", "bound", subscribers=0)
+        self.bound = Case("bound", "memcpy", "warm", "cpu", "same", "bound", subscribers=0)
 
     # -------------------------------------------------------------- plan
-    def plan(self) -> list[tuple[str, str, list[_Case]]]:
+    def plan(self) -> list[tuple[str, str, list[Case]]]:
         """(hosts, group name, mq cases) in run order; raw cases are added per group later."""
         cfg = self.cfg
         rpc_types = [t for t in ("torchrpc:cpu", "torchrpc:cuda") if t in cfg.mq_types]
@@ -389,36 +219,35 @@ class _Runner:
                 if "nng" in cfg.mq_types:
                     groups.append((hosts, "pynng", self._nng_cases(hosts, mode)))
                 for mq_type in rpc_types if mode not in NNG_ONLY_MODES else ():
-                    c = _Case("mq", mq_type, "auto", cfg.device_for(mq_type), hosts, mode)
+                    c = Case("mq", mq_type, "auto", cfg.device_for(mq_type), hosts, mode)
                     c.unavailable = mq_type_unavailable(mq_type)
                     groups.append((hosts, mq_type, [c]))
         return groups
 
-    def _nng_cases(self, hosts: str, mode: str) -> list[_Case]:
+    def _nng_cases(self, hosts: str, mode: str) -> list[Case]:
         cfg = self.cfg
         cases = []
         for route in cfg.routes:
-            c = _Case("mq", "nng", route, cfg.device_for("nng"), hosts, mode,
+            c = Case("mq", "nng", route, cfg.device_for("nng"), hosts, mode,
                       subscribers=cfg.subscribers if mode == "fanout" else 1)
             if hosts == "two" and route == "ipc":
                 c.unavailable = "ipc (a unix socket) does not cross hosts"
             cases.append(c)
             if mode == "fanout" and c.subscribers > 1:  # fan-out N is compared with fan-out 1
-                c.baseline = _Case("mq", "nng", route, c.device, hosts, mode, unavailable=c.unavailable)
+                c.baseline = Case("mq", "nng", route, c.device, hosts, mode, unavailable=c.unavailable)
                 cases.append(c.baseline)
         if mode == "oneway" and hosts == "same":
-            c = _Case("mq", "nng", "handle", cfg.device_for("nng"), hosts, mode)
-            c.unavailable = mq_type_unavailable("nng") or _pool_api_missing()
+            c = Case("mq", "nng", "handle", cfg.device_for("nng"), hosts, mode)
+            c.unavailable = mq_type_unavailable("nng") or pool_api_missing()
             cases.append(c)
         return cases
 
     # -------------------------------------------------------------- run
     def run(self) -> None:
-        from mq.tools.netns import signals_raise
-
         groups = self.plan()
         self.progress({"event": "start"})
-        with signals_raise():
+        # SIGTERM and SIGHUP end the run through the finally below: namespaces removed, workers killed.
+        with stop_signals_raise(_exit_by_signal, (signal.SIGTERM, signal.SIGHUP), sigint_raises=True):
             try:
                 self._start_bound()
                 for hosts in self.cfg.hosts:
@@ -486,7 +315,7 @@ class _Runner:
         return {"TP_SOCKET_IFNAME": ifname, "GLOO_SOCKET_IFNAME": ifname}
 
     # -------------------------------------------------------------- pairs
-    def _start_pairs(self, hosts: str, cases: list[_Case]) -> None:
+    def _start_pairs(self, hosts: str, cases: list[Case]) -> None:
         """Start A and the Bs of every case (concurrently) and connect them; failures mark cases."""
         host_a, host_b = self._addr(hosts)
         started = []
@@ -503,7 +332,7 @@ class _Runner:
                 c.listen_info = c.a.recv("listening", CONNECT_TIMEOUT_S)  # type: ignore[union-attr]
                 c.bs = [self._spawn("B", self._spec(c, host_b, hosts, "B", i), hosts)
                         for i in range(c.subscribers)]
-            except _WorkerFailed as exc:
+            except WorkerFailed as exc:
                 self._break(c, f"could not start: {exc}", None)
                 started.remove(c)
         for c in list(started):
@@ -512,7 +341,7 @@ class _Runner:
                     b.recv("listening", CONNECT_TIMEOUT_S)
                 for p in c.procs:
                     p.send("connect", c.listen_info)
-            except _WorkerFailed as exc:
+            except WorkerFailed as exc:
                 self._break(c, f"could not start: {exc}", None)
                 started.remove(c)
         for c in started:
@@ -521,43 +350,43 @@ class _Runner:
                 for b in c.bs:
                     b.recv("ready", CONNECT_TIMEOUT_S)
                 c.resolved_route = info.get("route")
-            except _WorkerFailed as exc:
+            except WorkerFailed as exc:
                 self._break(c, f"could not connect: {exc}", None)
 
-    def _spec(self, c: _Case, host: str, hosts: str, side: str, index: int = 0) -> dict[str, Any]:
+    def _spec(self, c: Case, host: str, hosts: str, side: str, index: int = 0) -> dict[str, Any]:
         return {**c.spec(host, self.cfg.messages), "env": self._env(hosts, side), "index": index,
                 "busy_poll": self.cfg.busy_poll}
 
-    def _spawn(self, role: str, spec: dict[str, Any], hosts: str) -> _Proc:
+    def _spawn(self, role: str, spec: dict[str, Any], hosts: str) -> WorkerProc:
         exe = None
         if hosts == "two" and role == "B":
             exe = self.two.wrapper()
-        p = _Proc(self.ctx, role, spec, executable=exe)
+        p = WorkerProc(self.ctx, role, spec, executable=exe)
         self.procs.append(p)
         return p
 
-    def _break(self, c: _Case, why: str, size: int | None) -> None:
+    def _break(self, c: Case, why: str, size: int | None) -> None:
         if c.broken is None and c.unavailable is None:
             c.broken, c.broken_at = why, size
         for p in c.procs:
             p.kill()
         self.progress({"event": "note", "text": f"{c.name}: {why}"})
 
-    def _stop_pairs(self, cases: list[_Case]) -> None:
+    def _stop_pairs(self, cases: list[Case]) -> None:
         procs = {p: c for c in cases for p in c.procs}
         for p, why in self._stop_procs(list(procs)).items():
             self.notes.append(f"{procs[p].name} side {p.role}: {why}")
 
-    def _stop_procs(self, procs: list[_Proc]) -> dict[_Proc, str]:
+    def _stop_procs(self, procs: list[WorkerProc]) -> dict[WorkerProc, str]:
         """Ask workers to stop (they clean up sockets), then kill whatever is left. Returns
         the errors workers reported on the way out."""
         errors = {}
         for p in procs:
             if p.proc.is_alive():
-                with contextlib.suppress(_WorkerFailed):
+                with contextlib.suppress(WorkerFailed):
                     p.send("stop")
         for p in procs:
-            with contextlib.suppress(_WorkerFailed):
+            with contextlib.suppress(WorkerFailed):
                 info = p.recv("stopped", 3.0) if p.proc.is_alive() else None
                 if info and info.get("error"):
                     errors[p] = info["error"]
@@ -571,17 +400,17 @@ class _Runner:
         self.procs = [p for p in self.procs if p.proc.is_alive()]
 
     # -------------------------------------------------------------- groups
-    def _raw_cases(self, hosts: str, name: str, mq_cases: list[_Case], reason: str | None = None) -> list[_Case]:
+    def _raw_cases(self, hosts: str, name: str, mq_cases: list[Case], reason: str | None = None) -> list[Case]:
         if not self.cfg.baselines:
             return []
-        raws: dict[tuple[str, str, int], _Case] = {}  # (mq type, route, subscribers) -> its one case
+        raws: dict[tuple[str, str, int], Case] = {}  # (mq type, route, subscribers) -> its one case
 
-        def raw(mq_type: str, route: str, device: str, mode: str, subscribers: int = 1) -> _Case:
+        def raw(mq_type: str, route: str, device: str, mode: str, subscribers: int = 1) -> Case:
             if (mq_type, route, subscribers) not in raws:
-                r = raws[mq_type, route, subscribers] = _Case("raw", mq_type, route, device, hosts, mode,
+                r = raws[mq_type, route, subscribers] = Case("raw", mq_type, route, device, hosts, mode,
                                                               subscribers=subscribers)
                 if mq_type.startswith("raw:rpc"):
-                    r.unavailable = _rpc_unavailable(cuda=mq_type == "raw:rpc-cuda")
+                    r.unavailable = rpc_unavailable(cuda=mq_type == "raw:rpc-cuda")
                 r.unavailable = reason or r.unavailable
             return raws[mq_type, route, subscribers]
 
@@ -597,7 +426,7 @@ class _Runner:
             if name == "pynng":
                 fam = _family(c, hosts)
                 c.baseline = raw("raw:pynng", fam, c.device, c.mode)
-                if c.mode in ZMQ_MODES and _zmq_installed():  # a row of its own, nobody's baseline
+                if c.mode in ZMQ_MODES and zmq_installed():  # a row of its own, nobody's baseline
                     raw("raw:pyzmq", fam, c.device, c.mode)
             elif c.mq_type == "torchrpc:cuda":
                 c.baseline = raw("raw:rpc-cuda", "auto", c.device, c.mode)
@@ -605,7 +434,7 @@ class _Runner:
                 c.baseline = raw("raw:rpc", "auto", c.device, c.mode)
         return sorted(raws.values(), key=lambda r: (r.route, r.mq_type))
 
-    def _run_group(self, hosts: str, name: str, cases: list[_Case]) -> None:
+    def _run_group(self, hosts: str, name: str, cases: list[Case]) -> None:
         self.progress({"event": "group", "text": f"{'two hosts' if hosts == 'two' else 'same host'}: "
                                                   f"starting {name} workers"})
         self._start_pairs(hosts, cases)
@@ -622,19 +451,19 @@ class _Runner:
         finally:
             self._stop_pairs(everything)
 
-    def _record_unrun(self, cases: list[_Case]) -> None:
+    def _record_unrun(self, cases: list[Case]) -> None:
         self.cases.extend(cases)
         self.progress({"event": "total", "add": sum(len(self.cfg.sizes_for(c.mode)) for c in cases)})
         for c in cases:
             for size in self.cfg.sizes_for(c.mode):
-                c.results[size] = _SizeResult(done=True, skipped=c.unavailable)
+                c.results[size] = SizeResult(done=True, skipped=c.unavailable)
                 self.progress({"event": "advance", "text": f"{c.name} {format_size(size)}: skipped"})
 
     # -------------------------------------------------------------- one size
-    def _run_size(self, cases: list[_Case], size: int, index: int) -> None:
+    def _run_size(self, cases: list[Case], size: int, index: int) -> None:
         live = []
         for c in cases:
-            res = c.results[size] = _SizeResult()
+            res = c.results[size] = SizeResult()
             if not c.alive:
                 res.done = True
                 res.skipped = c.unavailable or f"not run: {c.broken}" + (
@@ -660,10 +489,10 @@ class _Runner:
             rnd += 1
         for c in live:
             if c.alive:
-                with contextlib.suppress(_WorkerFailed):
+                with contextlib.suppress(WorkerFailed):
                     c.a.request("free", None, "ok", 30.0)  # type: ignore[union-attr]
 
-    def _step(self, c: _Case, size: int, warm: bool) -> None:
+    def _step(self, c: Case, size: int, warm: bool) -> None:
         cfg = self.cfg
         res = c.results[size]
         if res.done:
@@ -675,12 +504,12 @@ class _Runner:
             n = max(1, min(res.target - len(res.samples_ns), int(cfg.batch_seconds / max(res.rt_s, 1e-9))))
             args = {"n": n, "warmup": 0, "rt_hint_s": res.rt_s}
         args.update(size=size, warm_cap_s=min(1.0, cfg.max_seconds / 4), cap_s=remaining,
-                    timeout_s=_hard_timeout(size), verify=warm)
+                    timeout_s=hard_timeout(size), verify=warm)
         link0 = self.two.link_bytes() if (self.two is not None and c.hosts == "two") else None
         try:
-            moved = _copies(c, cfg.messages)[0] * size  # a stream sample is a whole burst
-            out = c.a.request("batch", args, "batch", remaining + _hard_timeout(moved) + 30)  # type: ignore[union-attr]
-        except _WorkerFailed as exc:
+            moved = c.copies(cfg.messages)[0] * size  # a stream sample is a whole burst
+            out = c.a.request("batch", args, "batch", remaining + hard_timeout(moved) + 30)  # type: ignore[union-attr]
+        except WorkerFailed as exc:
             res.done = True
             res.skipped = f"failed: {exc}"
             self._break(c, str(exc), size)
@@ -733,7 +562,7 @@ class _Runner:
                 row.update(gbps=round(out["gbps"], 3), bytes=out["bytes"], seconds=round(out["seconds"], 4))
                 if link0 is not None:
                     row["link_bytes"] = self.two.link_bytes() - link0
-            except _WorkerFailed as exc:
+            except WorkerFailed as exc:
                 row["error"] = str(exc)
             finally:
                 self._stop_procs([p for p in (a, b) if p is not None])
@@ -742,7 +571,7 @@ class _Runner:
                                                      f"{row['gbps'] if row['gbps'] else row['error']} Gbit/s"})
 
 
-def _family(c: _Case, hosts: str) -> str:
+def _family(c: Case, hosts: str) -> str:
     """The raw pynng address family an nng row is compared with."""
     route = c.resolved_route or c.route
     if hosts == "two":
@@ -754,108 +583,17 @@ def _family(c: _Case, hosts: str) -> str:
     return "tcp"
 
 
-def _previous(c: _Case, size: int) -> _SizeResult | None:
+def _previous(c: Case, size: int) -> SizeResult | None:
     p = _prev_size(c, size)
     return c.results.get(p) if p is not None else None
 
 
-def _prev_size(c: _Case, size: int) -> int | None:
+def _prev_size(c: Case, size: int) -> int | None:
     smaller = [s for s in c.results if s < size]
     return max(smaller) if smaller else None
 
 
 # ================================================================================== results
-
-def _stats(samples_ns: list[int]) -> dict[str, float]:
-    import numpy as np
-
-    ms = np.asarray(samples_ns, dtype=np.float64) / 1e6
-    p50, p99 = np.percentile(ms, [50, 99])
-    return {"min_ms": float(ms.min()), "p50_ms": float(p50), "p99_ms": float(p99),
-            "max_ms": float(ms.max()), "mean_ms": float(ms.mean())}
-
-
-def _baseline_name(b: _Case) -> str:
-    return f"{b.mq_type}/{b.route}" + (f" fanout x{b.subscribers}" if b.mode == "fanout" else "")
-
-
-def _copies(c: _Case, messages: int) -> tuple[int, int]:
-    """(payloads one sample moves, memcpys its physical bound is): a round trip moves the
-    payload there and back (bound: 2 memcpy), a fan-out N payloads but shared memory copies
-    it once (bound: 1 memcpy), a stream `messages` payloads (bound: that many memcpys)."""
-    return {"roundtrip": (2, 2), "call": (2, 2), "fanout": (c.subscribers, 1),
-            "stream": (messages, messages)}.get(c.mode, (1, 1))
-
-
-def _p50(res: _SizeResult | None) -> float | None:
-    return _stats(res.samples_ns)["p50_ms"] if res is not None and res.samples_ns else None
-
-
-def _row(c: _Case, size: int, bound: _Case, messages: int) -> dict[str, Any]:
-    res = c.results.get(size) or _SizeResult(skipped=c.unavailable or "not run")
-    moved, memcpys = _copies(c, messages)
-    row: dict[str, Any] = {
-        "kind": c.kind, "mq_type": c.mq_type, "route": c.route,
-        "resolved_route": c.resolved_route, "hosts": c.hosts, "device": c.device,
-        "size": format_size(size), "size_bytes": size, "samples": len(res.samples_ns),
-        "warmup": len(res.warm_ns), "min_ms": None, "p50_ms": None, "p99_ms": None,
-        "max_ms": None, "mean_ms": None, "gbps": None,
-        "baseline": _baseline_name(c.baseline) if c.baseline else None,
-        "baseline_p50_ms": None, "ratio": None, "skipped": bool(res.skipped),
-        "reason": res.skipped, "seconds": round(res.used_s, 3),
-        "link_bytes": res.link_bytes, "mode": c.mode,
-        "subscribers": c.subscribers if c.mode == "fanout" else None,
-        "messages": messages if c.mode == "stream" else None, "payloads": moved, "bound_copies": memcpys,
-        "bound_ms": None, "ratio_bound": None, "msgs_per_s": None, "mb_per_s": None,
-        "lossless": None, "arrival_p50_ms": None, "arrival_ratio": None,
-    }
-    if c.mode == "stream" and (res.samples_ns or "lost or reordered" in (res.skipped or "")):
-        row["lossless"] = "lost or reordered" not in (res.skipped or "")  # B checks every counter
-    if not res.samples_ns:
-        return row
-    st = _stats(res.samples_ns)
-    p50_s = st["p50_ms"] / 1e3
-    row.update({k: _ms(v) for k, v in st.items()})
-    row["gbps"] = round(moved * size * 8 / p50_s / 1e9, 4)
-    if c.mode == "stream":
-        row["msgs_per_s"] = round(messages / p50_s, 1)
-        row["mb_per_s"] = round(messages * size / p50_s / 1e6, 3)
-    base_p50 = _p50(c.baseline.results.get(size)) if c.baseline is not None else None
-    if base_p50:
-        row["baseline_p50_ms"] = _ms(base_p50)
-        row["ratio"] = round(st["p50_ms"] / base_p50, 4)
-    if res.arrival_ns:
-        row["arrival_p50_ms"] = _ms(_stats(res.arrival_ns)["p50_ms"])
-        base = c.baseline.results.get(size) if c.baseline is not None else None
-        if base is not None and base.arrival_ns:
-            row["arrival_ratio"] = round(row["arrival_p50_ms"] / _stats(base.arrival_ns)["p50_ms"], 4)
-    bound_p50 = _p50(bound.results.get(size))
-    if bound_p50:
-        row["bound_ms"] = _ms(memcpys * bound_p50)
-        row["ratio_bound"] = round(st["p50_ms"] / (memcpys * bound_p50), 4)
-    return row
-
-
-def _ms(value: float) -> float:
-    # Significant digits, not decimals: a 1 KB memcpy takes ~0.0001 ms, and six decimals left
-    # it two digits, so a row's ratio to it disagreed with its own columns by ~0.5%.
-    return float(f"{value:.6g}")
-
-
-_ORDER = {"memcpy": -1, "nng": 0, "raw:pynng": 1, "raw:pyzmq": 2, "torchrpc:cpu": 3, "raw:rpc": 4,
-          "torchrpc:cuda": 5, "raw:rpc-cuda": 6}
-_ROUTE_ORDER = {"auto": 0, "tcp": 1, "ipc": 2, "handle": 3}
-_MODE_ORDER = ("bound", *MODES)
-
-
-def _rows(runner: "_Runner") -> list[dict[str, Any]]:
-    cfg = runner.cfg
-    cases = sorted(runner.cases, key=lambda c: (
-        _MODE_ORDER.index(c.mode), HOSTS.index(c.hosts), _ORDER.get(c.mq_type, 9),
-        _ROUTE_ORDER.get(c.route, 9), -c.subscribers, c.device))
-    return [_row(c, s, runner.bound, cfg.messages) for c in cases
-            for s in (cfg.all_sizes() if c is runner.bound else cfg.sizes_for(c.mode))]
-
 
 # ================================================================================== entry
 def run(cfg: BenchConfig, progress: Progress | None = None) -> Report:
@@ -868,7 +606,7 @@ def run(cfg: BenchConfig, progress: Progress | None = None) -> Report:
     started = time.monotonic()
     load_before = _read("/proc/loadavg").split()[:3] or None
     runner.run()
-    rows = _rows(runner)
+    rows = report_rows(runner.cases, runner.bound, cfg)
     config = asdict(cfg)
     config["sizes"] = [format_size(s) for s in cfg.sizes]
     config["mode_sizes"] = {m: [format_size(s) for s in cfg.sizes_for(m)] for m in cfg.modes}

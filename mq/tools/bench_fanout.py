@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mq.tools.netns import _die_with_parent
+from mq.supervise import die_with_parent as _die_with_parent
 
 __all__ = ["FanoutRow", "run", "table"]
 

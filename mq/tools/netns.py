@@ -35,14 +35,14 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
-from typing import Iterator, Sequence
+from typing import Sequence
 
-from mq.errors import MQError
+from mq.supervise import die_with_parent
+from mq.tools.errors import ToolError
 
 __all__ = [
     "NS_PREFIX",
@@ -52,7 +52,6 @@ __all__ = [
     "cleanup_stale",
     "list_namespaces",
     "list_links",
-    "signals_raise",
     "unavailable",
 ]
 
@@ -64,7 +63,7 @@ _counter = itertools.count()
 _IP_TIMEOUT_S = 20.0
 
 
-class NetnsError(MQError):
+class NetnsError(ToolError):
     """Namespaces cannot be made here, or an ``ip`` command failed (the message says why)."""
 
 
@@ -267,34 +266,6 @@ class TwoHosts:
                 f"{self.peer_if}={self.peer_addr}/{self.prefixlen}>")
 
 
-@contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
-    """Turn SIGTERM and SIGHUP into SystemExit (SIGINT already raises KeyboardInterrupt) for
-    the duration, so ``finally`` blocks (namespace removal, killing workers) run on them.
-    Only in the main thread; elsewhere a no-op."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_exit(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    old = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            old[sig] = signal.signal(sig, raise_exit)
-        except (ValueError, OSError):
-            pass
-    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, None):
-        old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            with contextlib.suppress(ValueError, OSError):
-                signal.signal(sig, handler)
-
-
 def _python_wrapper(prefix: str, command: list[str]) -> str:
     """A private executable script that runs ``command "$@"`` (for spawn.set_executable)."""
     fd, path = tempfile.mkstemp(prefix=f"{prefix}-", suffix=".sh")
@@ -309,14 +280,6 @@ def _unlink_all(paths: list[str]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(path)
     paths.clear()
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL this child when the process that started it dies."""
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _find_child(pid: int, comm: str, timeout: float = 10.0) -> int:
@@ -429,7 +392,7 @@ class Hosts:
                 holder = subprocess.Popen(
                     ["ip", "netns", "exec", name, "unshare", "--pid", "--ipc", "--fork", "--mount-proc",
                      "--kill-child", "sleep", "infinity"],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent)
                 self._holders.append(holder)
                 self._holder_pids.append(_find_child(holder.pid, "sleep"))
         except BaseException:

@@ -1,0 +1,201 @@
+"""The pieces ``mq bench`` measures with: a spawned worker and its command pipe
+(:class:`WorkerProc`), a row kind with its workers (:class:`Case`) and its samples per size
+(:class:`SizeResult`), and why a kind of row cannot run on this machine."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import multiprocessing.spawn as mp_spawn
+from dataclasses import dataclass, field
+from typing import Any
+
+from mq.supervise import stop_processes
+from mq.tools.bench_workers import worker
+
+log = logging.getLogger("mq.tools.bench")
+
+#: Where a pair runs: one host, or two (network namespaces, :mod:`mq.tools.netns`).
+HOSTS = ("same", "two")
+
+
+class WorkerFailed(Exception):
+    """A worker answered with an error, died, or did not answer in time."""
+
+
+class WorkerProc:
+    """One spawned worker and its command pipe."""
+
+    def __init__(self, ctx: Any, role: str, spec: dict[str, Any], executable: str | None = None):
+        self.role = role
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker, args=(role, spec, child), daemon=True,
+                                name=f"mq-bench-{spec['kind']}-{role}")
+        old = mp_spawn.get_executable()
+        if executable:
+            mp_spawn.set_executable(executable)
+        try:
+            self.proc.start()
+        finally:
+            if executable:
+                mp_spawn.set_executable(old)
+        child.close()
+
+    def send(self, op: str, arg: Any = None) -> None:
+        try:
+            self.conn.send((op, arg))
+        except (OSError, ValueError) as exc:
+            raise WorkerFailed(f"worker {self.role} is gone ({self._exit()}): {exc}") from None
+
+    def recv(self, want: str, timeout: float) -> Any:
+        try:
+            if not self.conn.poll(timeout):
+                raise WorkerFailed(f"worker {self.role} did not answer within {timeout:.0f}s")
+            msg = self.conn.recv()
+        except (EOFError, OSError):
+            raise WorkerFailed(f"worker {self.role} died ({self._exit()})") from None
+        if msg[0] == "error":
+            log.debug("worker %s failed:\n%s", self.role, msg[2])
+            raise WorkerFailed(f"worker {self.role}: {msg[1]}")
+        if msg[0] != want:
+            raise WorkerFailed(f"worker {self.role} answered {msg[0]!r}, expected {want!r}")
+        return msg[1]
+
+    def request(self, op: str, arg: Any, want: str, timeout: float) -> Any:
+        self.send(op, arg)
+        return self.recv(want, timeout)
+
+    def _exit(self) -> str:
+        self.proc.join(0.5)
+        code = self.proc.exitcode
+        if code is None:
+            return "still running"
+        return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+
+    def kill(self) -> None:
+        with contextlib.suppress(Exception):
+            stop_processes([self.proc], grace_s=0)
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
+@dataclass(eq=False)
+class Case:
+    """One row kind: an mq configuration, a raw baseline or the memcpy bound, with its workers
+    (A, and one B per subscriber: none for the bound)."""
+
+    kind: str  # "mq" | "raw" | "bound"
+    mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:rpc, raw:rpc-cuda | memcpy
+    route: str  # requested: auto/tcp/ipc/handle (mq), tcp/ipc (raw sockets), auto (rpc), warm (bound)
+    device: str
+    hosts: str
+    mode: str = "roundtrip"  # see MODES; "bound" for the memcpy row
+    subscribers: int = 1  # B processes
+    resolved_route: str | None = None
+    baseline: "Case | None" = None
+    unavailable: str | None = None  # never started: why
+    broken: str | None = None  # stopped working: why
+    broken_at: int | None = None
+    a: WorkerProc | None = None
+    bs: list[WorkerProc] = field(default_factory=list)
+    listen_info: dict[str, Any] = field(default_factory=dict)
+    results: dict[int, "SizeResult"] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        where = " (two hosts)" if self.hosts == "two" else ""
+        fan = f" x{self.subscribers}" if self.mode == "fanout" else ""
+        return f"{self.mq_type}/{self.route} {self.mode}{fan}{where}"
+
+    @property
+    def procs(self) -> list[WorkerProc]:
+        return [p for p in (self.a, *self.bs) if p is not None]
+
+    @property
+    def alive(self) -> bool:
+        return self.unavailable is None and self.broken is None and self.a is not None
+
+    def copies(self, messages: int) -> tuple[int, int]:
+        """(payloads one sample moves, memcpys its physical bound is): a round trip moves the
+        payload there and back (bound: 2 memcpy), a fan-out N payloads but shared memory copies
+        it once (bound: 1 memcpy), a stream `messages` payloads (bound: that many memcpys)."""
+        return {"roundtrip": (2, 2), "call": (2, 2), "fanout": (self.subscribers, 1),
+                "stream": (messages, messages)}.get(self.mode, (1, 1))
+
+    def spec(self, host: str, messages: int) -> dict[str, Any]:
+        kind = {"mq": "mq", "bound": "bound"}.get(self.kind) or _RAW_KINDS[self.mq_type.split("-")[0]]
+        return {"kind": kind, "mq_type": self.mq_type, "route": self.route, "device": self.device,
+                "host": host, "device_maps": self.mq_type == "raw:rpc-cuda", "mode": self.mode,
+                "subscribers": self.subscribers, "messages": messages}
+
+
+_RAW_KINDS = {"raw:pynng": "pynng", "raw:pyzmq": "zmq", "raw:rpc": "rpc"}
+
+
+@dataclass
+class SizeResult:
+    samples_ns: list[int] = field(default_factory=list)
+    warm_ns: list[int] = field(default_factory=list)
+    arrival_ns: list[int] = field(default_factory=list)  # one way proper (oneway rows)
+    used_s: float = 0.0
+    rt_s: float = 0.0
+    target: int = 0
+    done: bool = False
+    skipped: str | None = None
+    link_bytes: int | None = None
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def rpc_unavailable(cuda: bool = False) -> str | None:
+    try:
+        import torch.distributed.rpc as rpc
+
+        if not rpc.is_available():
+            return "this torch build has no torch.distributed.rpc"
+    except Exception as exc:
+        return f"torch.distributed.rpc does not import: {type(exc).__name__}: {exc}"
+    if cuda and not cuda_available():
+        return "no CUDA GPU visible"
+    return None
+
+
+def mq_type_unavailable(mq_type: str) -> str | None:
+    """Why rows of ``mq_type`` cannot be measured on this machine, or None."""
+    from mq.registry import backend_class
+
+    if mq_type.startswith("torchrpc"):
+        reason = rpc_unavailable(cuda=mq_type == "torchrpc:cuda")
+        if reason:
+            return reason
+    try:
+        backend_class(mq_type)
+    except Exception as exc:
+        module = importlib.util.find_spec("mq.backends.torchrpc") if mq_type.startswith("torchrpc") else True
+        what = "mq.backends.torchrpc is not written yet" if module is None else "its backend does not import"
+        return f"{what} ({type(exc).__name__}: {exc})"
+    return None
+
+
+def pool_api_missing() -> str | None:
+    """Why the by-handle row cannot run: mq's shared-memory pool API (alloc / wait_released)."""
+    import mq
+
+    if hasattr(mq.MQ, "alloc") and hasattr(mq.MQ, "wait_released"):  # what mq.create returns
+        return None
+    return "mq has no shared-memory pool API"
+
+
+def zmq_installed() -> bool:
+    return importlib.util.find_spec("zmq") is not None
+
+
