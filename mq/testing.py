@@ -14,8 +14,8 @@ returns what each returned; a failed assertion in any node fails the run. The ch
   (the real launcher, real sockets).
 
 :class:`Spawned` runs programs that make their own queues (``program(node_id, n, ...)``), one
-process each: what a test needs to kill a process or to start a second agent in it. Programs
-travel by reference (``module:function``), so they must be module-level functions.
+process each: what a test needs to kill a process or to start a second agent in it. A program
+that runs in another process travels by reference (``module:function``): a module-level function.
 """
 
 from __future__ import annotations

@@ -101,10 +101,12 @@ class OutOfTree(Transport):
         self.routes = self.inner.routes
         self.sent = 0
 
+    @property
+    def addresses(self) -> dict[str, str]:  # filled by start, before any frame arrives
+        return self.inner.addresses
+
     def start(self, node: Any) -> list[Any]:
-        targets = list(self.inner.start(node))
-        self.addresses = self.inner.addresses
-        return targets
+        return list(self.inner.start(node))
 
     def greet(self, target: Any, frame: Any, token: str) -> None:
         self.inner.greet(target, frame, token)
