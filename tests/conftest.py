@@ -7,6 +7,9 @@ import multiprocessing
 
 import pytest
 
+# The conformance checks assert in the library: show their operands as pytest does in tests.
+pytest.register_assert_rewrite("mq.conformance")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:

@@ -1,104 +1,143 @@
-"""One conformance suite for every backend, on real processes over real sockets.
+"""The conformance suite (mq/conformance.py) on every built-in backend, and on a transport mq has
+never heard of.
 
-Parametrized over nng on tcp, nng on unix sockets (ipc) and torch RPC (CPU). The scenarios live
-in mq/testing.py so a new backend gets the same checks by adding one parameter.
+Parametrized over nng on tcp, on unix sockets (ipc) and on its default (shm), torch RPC (CPU),
+each node a process started by the launcher, and inproc, each node a thread of this process.
+Each test is a thin wrapper of one check; a new backend adds one parameter.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import time
+from typing import Any, NamedTuple
 
 import pytest
 
-from mq.testing import ORDERED_N, run_group
+import mq
+from mq import conformance, testing
+from mq.registry import backend_class
+from mq.transport import Transport
 
 pytestmark = pytest.mark.timeout(120)
 
+
+class Backend(NamedTuple):
+    group: testing.Group
+    route: str  # the route kind every peer gets
+
+
 BACKENDS = [
-    pytest.param(("nng", "tcp"), id="nng-tcp"),
-    pytest.param(("nng", "ipc"), id="nng-ipc"),
-    pytest.param(("nng", "auto"), id="nng-shm"),
-    pytest.param(("inproc", "auto"), id="inproc"),
-    pytest.param(("torchrpc:cpu", "auto"), id="torchrpc-cpu",
+    pytest.param(Backend(testing.Launched("nng", "tcp"), "tcp"), id="nng-tcp"),
+    pytest.param(Backend(testing.Launched("nng", "ipc"), "ipc"), id="nng-ipc"),
+    pytest.param(Backend(testing.Launched("nng", "auto"), "shm"), id="nng-shm"),
+    pytest.param(Backend(testing.InProcess(testing.inproc_nodes), "inproc"), id="inproc"),
+    pytest.param(Backend(testing.Launched("torchrpc:cpu"), "shm"), id="torchrpc-cpu",
                  marks=pytest.mark.skipif(importlib.util.find_spec("mq.backends.torchrpc") is None,
                                           reason="torch RPC backend not built")),
 ]
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request):
+def backend(request) -> Backend:
     return request.param
 
 
-def run(backend, scenario, **kw):
-    mq_type, protocol = backend
-    return run_group(mq_type, scenario, protocol=protocol if mq_type == "nng" else "auto", **kw)
-
-
 def test_send_recv_carries_every_payload_kind(backend):
-    assert run(backend, "check_send_recv")[0] == "ok"
+    conformance.check_send_recv(backend.group)
 
 
 def test_empty_tensors_and_arrays_arrive_every_time(backend):
-    assert run(backend, "check_empty_buffers")[0] == "ok"
+    conformance.check_empty_buffers(backend.group)
 
 
 def test_publish_reaches_only_subscribers(backend):
-    res = run(backend, "check_publish_filtering", n=3)
-    assert res[0] == [("t0", "for 0")]
-    assert res[1] == [("t1", "for 1")]
+    conformance.check_publish_filtering(backend.group)
 
 
 def test_recv_times_out(backend):
-    res = run(backend, "check_recv_timeout")
-    for waited in res.values():
-        assert 0.25 <= waited < 2.0
+    conformance.check_recv_timeout(backend.group)
 
 
 def test_call_result_remote_error_and_timeout(backend):
-    out = run(backend, "check_call")[1]
-    assert out["double"] == 42
-    assert out["obs"] == (1.0, [2.0, 2.0, 2.0, 2.0])
-    assert out["fail"] == ("KeyError", "'missing'")
-    assert out["nohandler"][0] == "LookupError" and "no handler for 'nohandler'" in out["nohandler"][1]
-    assert 0.25 <= out["timeout_s"] < 2.0
+    conformance.check_call(backend.group)
 
 
 def test_peers_by_label_and_routes(backend):
-    res = run(backend, "check_peers_routes", n=3, labels=["learner", "collector", "collector"])
-    assert res[0]["all"] == [1, 2] and res[0]["collectors"] == [1, 2] and res[0]["learners"] == []
-    assert res[1]["learners"] == [0] and res[1]["collectors"] == [2]
-    mq_type, protocol = backend
-    expected = {"nng": {"tcp": "tcp", "ipc": "ipc", "auto": "shm"}.get(protocol),
-                "inproc": "inproc", "torchrpc:cpu": "shm"}.get(mq_type)
-    for node, r in res.items():
-        assert set(r["routes"]) == set(r["all"]), r
-        if expected:
-            assert set(r["routes"].values()) == {expected}, (node, r["routes"])
+    conformance.check_peers_and_routes(backend.group, backend.route)
 
 
 def test_ordering_exactly_once(backend):
-    assert run(backend, "check_ordering")[0] == list(range(ORDERED_N))
+    conformance.check_ordering(backend.group)
 
 
 def test_backpressure_waits_then_times_out_and_loses_nothing(backend):
-    res = run(backend, "check_backpressure", mq_options={"queue_size": 4})
-    sender, receiver = res[1], res[0]
-    assert sender["timed_out"], "a receiver that never reads must make send() time out"
-    assert receiver["accepted"] == sender["accepted"]
-    assert receiver["received"] == list(range(sender["accepted"]))
+    conformance.check_backpressure(backend.group)
 
 
 def test_subscription_handler_runs_in_order_off_the_io_thread(backend):
-    out = run(backend, "check_handler_order")[0]
-    assert out["got"] == list(range(300))
-    assert len(out["threads"]) == 1 and "io" not in out["threads"][0], out["threads"]
+    conformance.check_handler_order(backend.group)
 
 
 def test_send_to_stopped_peer_raises_peer_lost(backend):
-    msg = run(backend, "check_peer_stopped")[0]
-    assert "node 1" in msg
+    conformance.check_peer_stopped(backend.group)
 
 
 def test_a_call_whose_handler_runs_when_the_server_stops_gets_its_answer(backend):
-    assert run(backend, "check_answer_before_goodbye")[0] == 42
+    conformance.check_answer_before_goodbye(backend.group)
+
+
+# ---------------------------------------------------------------------- out of tree
+class OutOfTree(Transport):
+    """A transport named in no registry, as a user's package would define it: it moves frames
+    through an inproc transport it holds (only through the Transport interface) and counts them."""
+
+    name = "out-of-tree"
+
+    def __init__(self, node_id: int, listen_to: str, attach_to: list[str]):
+        inproc, _fixed = backend_class("inproc")
+        self.inner = inproc(node_id, listen_to=listen_to, attach_to=attach_to)
+        self.routes = self.inner.routes
+        self.sent = 0
+
+    @property
+    def addresses(self) -> dict[str, str]:  # filled by start, before any frame arrives
+        return self.inner.addresses
+
+    def start(self, node: Any) -> list[Any]:
+        return list(self.inner.start(node))
+
+    def greet(self, target: Any, frame: Any, token: str) -> None:
+        self.inner.greet(target, frame, token)
+
+    def reply_target(self, info: dict[str, Any]) -> Any:
+        return self.inner.reply_target(info)
+
+    def connect(self, peer: int, info: dict[str, Any], route: Any) -> None:
+        self.inner.connect(peer, info, route)
+
+    def disconnect(self, peer: int) -> None:
+        self.inner.disconnect(peer)
+
+    def send(self, peer: int, frame: Any, timeout: float) -> Any:
+        receipt = self.inner.send(peer, frame, timeout)
+        self.sent += 1
+        return receipt
+
+    def close(self, timeout: float) -> None:
+        self.inner.close(timeout)
+
+
+@pytest.mark.timeout(180)
+def test_a_transport_defined_outside_mq_passes_the_whole_suite():
+    transports: list[OutOfTree] = []
+
+    def make_nodes(n: int, labels: list[Any], **mq_options: Any) -> list[mq.MQ]:
+        names = [f"inproc://out-of-tree-{os.getpid()}-{time.monotonic_ns()}-{i}" for i in range(n)]
+        made = [OutOfTree(i, names[i], names[:i]) for i in range(n)]
+        transports.extend(made)
+        return [mq.MQ(i, labels[i], transport=t, **mq_options) for i, t in enumerate(made)]
+
+    conformance.check_all(testing.InProcess(make_nodes), route="inproc")
+    assert {t.sent > 0 for t in transports} == {True}, "a node sent nothing through its own transport"

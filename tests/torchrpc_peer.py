@@ -1,8 +1,9 @@
 """Node programs for tests/test_torchrpc.py, importable by spawned processes.
 
-Each scenario is ``scenario(node_id, world_size, init_method, **kw) -> result``; :func:`entry`
-runs one in a fresh process and reports ``(node_id, "ok" | "error", result, time)`` on a
-multiprocessing queue (our own processes talking, not network data of the queue under test).
+Each is ``program(node_id, world_size, init_method, **kw) -> result``, run by
+:class:`mq.testing.Spawned` (one process per node, the program passed by reference); a
+program makes its own queue (:func:`_create`), so it may start a second RPC agent or kill its
+own process.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import os
 import pickle
 import signal
 import time
-import traceback
 from typing import Any
 
 import numpy as np
@@ -21,18 +21,6 @@ import mq
 from mq.testing import _same
 
 ORDERED = 500
-
-
-def entry(scenario: str, node_id: int, world_size: int, init_method: str, out: Any,
-          kw: dict[str, Any]) -> None:
-    try:
-        if kw.pop("public_rpc_async", False):  # what mq does on a torch without the internal call
-            import mq.backends.torchrpc as backend
-            backend._invoke_rpc_torchscript = None
-        result = globals()[scenario](node_id, world_size, init_method, **kw)
-        out.put((node_id, "ok", result, time.monotonic()))
-    except BaseException:
-        out.put((node_id, "error", traceback.format_exc(), time.monotonic()))
 
 
 def _create(node_id: int, world_size: int, init_method: str, labels: Any = None, **options: Any) -> mq.MQ:
@@ -64,9 +52,13 @@ def _recv_until(q: mq.MQ, want: int, timeout: float = 20.0) -> list[mq.Message]:
 
 
 # ---------------------------------------------------------------------- scenarios
-def exchange(node_id: int, world_size: int, init_method: str) -> Any:
+def exchange(node_id: int, world_size: int, init_method: str, public_rpc_async: bool = False) -> Any:
     """Node 0 serves calls and receives; node 1 streams 500 ordered messages and a mixed
-    payload; node 2 subscribes to what node 0 publishes; everyone publishes stats."""
+    payload; node 2 subscribes to what node 0 publishes; everyone publishes stats.
+    ``public_rpc_async``: as mq does on a torch without the internal call it uses."""
+    if public_rpc_async:
+        import mq.backends.torchrpc as backend
+        backend._invoke_rpc_torchscript = None
     labels = ["learner"] if node_id == 0 else ["collector"]
     with _create(node_id, world_size, init_method, labels) as q:
         q.wait_for_peers(world_size - 1, timeout=20)

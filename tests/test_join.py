@@ -1,0 +1,180 @@
+"""The join handshake (HELLO, HELLO_ACK, LINK; see mq/auth.py) on inproc, in this process, in
+seconds: a duplicate node id, a forged HELLO_ACK, a LINK that never comes, a HELLO nobody
+answered. The other side of each join is a :class:`Stranger`: a bare inproc transport this test
+drives itself, reading and writing raw handshake frames."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+import mq
+from mq import handshake
+from mq.auth import nonce, resolve_secret
+from mq.codec import HELLO, HELLO_ACK, LINK, Codec
+from mq.locality import local
+from mq.registry import backend_class
+from mq.testing import wait_until
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRET = "the join tests' secret"
+_names = itertools.count()
+
+
+def address(what: str) -> str:
+    return f"inproc://join-{what}-{os.getpid()}-{next(_names)}"
+
+
+class Stranger:
+    """A node id at an inproc address, with no MQ behind it: it trusts no link, so every frame
+    sent to it arrives whole and is parsed as a handshake frame (kept, by kind); it sends raw
+    frames to a node's address as any process of ours could."""
+
+    def __init__(self, node_id: int, listen_to: str | None = None):
+        inproc, _fixed = backend_class("inproc")
+        self.node_id = node_id
+        self.incarnation = f"stranger-{node_id}-{next(_names)}"
+        self.nonce = nonce()
+        self.transport = inproc(node_id, listen_to=listen_to or address("stranger"))
+        self.address = self.transport.address
+        self.frames: list[tuple[float, handshake.Handshake]] = []  # (when, frame)
+        self.changed = threading.Condition()
+        self.max_frame_bytes = handshake.MAX_FRAME  # what a transport asks its node (Events)
+        self.secret = None
+        self.transport.start(self)
+
+    # -- Events: what the transport reports
+    def trusts(self, link: Any) -> bool:
+        return False
+
+    def on_handshake(self, frame: Any, link: Any) -> bool:
+        try:
+            parsed = handshake.parse(frame)
+        except handshake.Refused:  # what a node sends a peer after the join (PING, BYE)
+            return False
+        with self.changed:
+            self.frames.append((time.monotonic(), parsed))
+            self.changed.notify_all()
+        return True
+
+    def on_link_lost(self, peer: int, why: str) -> None:
+        pass
+
+    # -- the test's side
+    def next(self, kind: int, after: int = 0, timeout: float = 10.0) -> tuple[float, dict[str, Any]]:
+        """The first frame of ``kind`` after the ``after`` first ones of that kind: (when, payload)."""
+        def found() -> list[tuple[float, dict[str, Any]]]:
+            return [(t, f.payload) for t, f in self.frames if f.kind == kind][after:]
+
+        with self.changed:
+            assert self.changed.wait_for(found, timeout), f"no frame of kind {kind} came: {self.frames}"
+            return found()[0]
+
+    def count(self, kind: int) -> int:
+        with self.changed:
+            return sum(f.kind == kind for _t, f in self.frames)
+
+    def send(self, to: str, kind: int, payload: dict[str, Any]) -> None:
+        frame = Codec().encode(kind, "", self.node_id, 0, 0, payload)
+        self.transport.greet(to, frame, "")  # a greeting puts the bytes in the node's inbox
+
+    def greeting(self, token: str, **answer: Any) -> dict[str, Any]:
+        """A HELLO (or, with ``proof``/``read_ok``/``error``, a HELLO_ACK) payload of ours."""
+        return {"node_id": self.node_id, "labels": [], "subscriptions": [],
+                "addresses": {"inproc": self.address}, "locality": local().to_dict(),
+                "incarnation": self.incarnation, "token": token, "nonce": self.nonce,
+                "mq_type": "inproc", "max_frame_bytes": 1 << 20, "shm": None, **answer}
+
+    def ack(self, hello: dict[str, Any], secret: str) -> dict[str, Any]:
+        """Our answer to a node's HELLO, proven with ``secret``."""
+        proof = resolve_secret(secret).proof("ack", self.nonce, hello["nonce"], self.node_id,
+                                             hello["node_id"], self.incarnation)
+        return self.greeting(hello["token"], proof=proof, read_ok=False)
+
+    def close(self) -> None:
+        self.transport.close(2.0)
+
+
+def rejected(q: mq.MQ, cause: str) -> int:
+    return q.stats().rejected.get(cause, 0)
+
+
+@pytest.mark.parametrize("taken", ["own", "peer"], ids=["the-node's-own-id", "its-live-peer's-id"])
+def test_a_duplicate_node_id_is_refused_with_a_config_error(taken):
+    holder_at = address("holder")
+    holder = mq.create("inproc", 0, listen_to=holder_at, secret=SECRET, timeout=5)
+    member = mq.create("inproc", 1, attach_to=[holder_at], secret=SECRET, timeout=5)
+    with holder, member:
+        member.on("echo", lambda x: x)
+        holder.wait_for_peers(ids=[1], timeout=5)
+        dup = 0 if taken == "own" else 1
+        with mq.create("inproc", dup, attach_to=[holder_at], secret=SECRET, timeout=3) as twin:
+            with pytest.raises(mq.ConfigError, match=rf"node id {dup} is taken by a live process .*unique node id"):
+                twin.wait_for_peers(1, timeout=5)
+        assert rejected(holder, "duplicate_id") >= 1
+        assert holder.peers() == [1]
+        assert holder.call(1, "echo", "still you", timeout=5) == "still you"  # the real node 1
+
+
+def test_a_forged_hello_ack_is_refused_and_counted():
+    stranger = Stranger(9)
+    node = mq.create("inproc", 0, attach_to=[stranger.address], secret=SECRET, timeout=5).listen()
+    try:
+        node_at = node.addresses["inproc"]
+        _t, hello = stranger.next(HELLO)  # the node greets the stranger
+        # An ACK answering no HELLO of the node's, then one with another job's proof.
+        stranger.send(node_at, HELLO_ACK, stranger.ack(dict(hello, token="not-its-token"), SECRET))
+        assert wait_until(lambda: rejected(node, "unsolicited_ack") >= 1, 5), node.stats()
+        stranger.send(node_at, HELLO_ACK, stranger.ack(hello, "another job's secret"))
+        assert wait_until(lambda: rejected(node, "bad_proof") >= 1, 5), node.stats()
+        assert node.peers() == [] and stranger.count(LINK) == 0
+        # Control: the same frame with the job's proof joins, so the forgeries failed on the
+        # proof alone. (A re-greet after 3 s brings a new token: answer the latest HELLO.)
+        for _ in range(3):
+            _t, hello = stranger.next(HELLO, after=stranger.count(HELLO) - 1)
+            stranger.send(node_at, HELLO_ACK, stranger.ack(hello, SECRET))
+            if wait_until(lambda: node.peers() == [9], 2):
+                break
+        assert node.peers() == [9]
+        stranger.next(LINK)
+    finally:
+        node.stop(timeout=1.0)  # the stranger never answers a farewell
+        stranger.close()
+
+
+def test_a_join_whose_link_never_comes_times_out_and_is_counted():
+    node = mq.create("inproc", 0, secret=SECRET, timeout=1.0).listen()
+    stranger = Stranger(9)
+    try:
+        stranger.send(node.addresses["inproc"], HELLO, stranger.greeting("t-9"))
+        _t, ack = stranger.next(HELLO_ACK)  # answered, and proven: the stranger only sends no LINK
+        assert ack["token"] == "t-9" and ack["error"] is None
+        assert resolve_secret(SECRET).check(ack["proof"], "ack", ack["nonce"], stranger.nonce, 0, 9,
+                                            ack["incarnation"])
+        assert wait_until(lambda: rejected(node, "join_incomplete") >= 1, 5), node.stats()
+        assert node.peers() == []
+    finally:
+        node.stop(timeout=1.0)
+        stranger.close()
+
+
+def test_a_hello_nobody_answered_is_sent_again_and_joins_a_late_peer():
+    late_at = address("late")
+    silent = Stranger(0, listen_to=late_at)  # where the peer will be: it answers nothing
+    newcomer = mq.create("inproc", 1, attach_to=[late_at], secret=SECRET, timeout=10).listen()
+    try:
+        first, _hello = silent.next(HELLO)
+        silent.close()
+        with mq.create("inproc", 0, listen_to=late_at, secret=SECRET, timeout=10) as late:
+            newcomer.wait_for_peers(ids=[0], timeout=10)
+            joined = time.monotonic()
+            assert late.wait_for_peers(ids=[1], timeout=5) == [1]
+        assert 2.5 <= joined - first < 8.0, f"joined {joined - first:.1f}s after the first HELLO"
+    finally:
+        newcomer.stop(timeout=1.0)
