@@ -1,14 +1,13 @@
 """The torch RPC backend on real spawned processes over loopback.
 
-Node programs live in tests/torchrpc_peer.py (spawned processes import them); every process
-is joined or killed in a ``finally``. The backend-agnostic behaviour (backpressure, handlers,
-publish filtering) is covered for torchrpc:cpu by tests/test_conformance.py.
+Node programs live in tests/torchrpc_peer.py (spawned processes import them) and run through
+:class:`mq.testing.Spawned`, every process joined or killed on leaving its ``with``. The
+backend-agnostic behaviour (backpressure, handlers, publish filtering) is covered for
+torchrpc:cpu by tests/test_conformance.py.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
 import time
 from typing import Any
 
@@ -23,69 +22,16 @@ import mq  # noqa: E402
 import torchrpc_peer as peer  # noqa: E402
 from mq.launch import free_port  # noqa: E402
 from mq.routing import ROUTE_KINDS  # noqa: E402
-
-# Spawned workers import torch (seconds each on a loaded machine): generous outer bounds, tight
-# inner ones where the test is about time.
-STARTUP_S = 90.0
+from mq.testing import Spawned  # noqa: E402
 
 
 def tcp() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
-class Group:
-    """``world_size`` spawned processes each running one scenario of torchrpc_peer."""
-
-    def __init__(self, scenario: str, world_size: int, init_method: str | None = None,
-                 **kw: Any):
-        self.ctx = mp.get_context("spawn")
-        self.out = self.ctx.Queue()
-        self.world_size = world_size
-        self.init_method = init_method or tcp()
-        self.procs = [self.ctx.Process(target=peer.entry, name=f"torchrpc-node-{n}",
-                                       args=(scenario, n, world_size, self.init_method, self.out, kw))
-                      for n in range(world_size)]
-        self.reported: dict[int, float] = {}
-
-    def __enter__(self) -> "Group":
-        for p in self.procs:
-            p.start()
-        return self
-
-    def results(self, expect: list[int] | None = None, timeout: float = STARTUP_S) -> dict[int, Any]:
-        """Wait for the nodes in ``expect`` (default: all) to report; raise on a node's error."""
-        expect = list(range(self.world_size)) if expect is None else expect
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
-        while set(results) < set(expect):
-            try:
-                node, status, value, _ = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"nodes {sorted(set(expect) - set(results))} did not report "
-                                     f"within {timeout:g}s; exit codes {self.exitcodes()}") from None
-            self.reported[node] = time.monotonic()
-            if status != "ok":
-                raise AssertionError(f"node {node} failed:\n{value}")
-            results[node] = value
-        return results
-
-    def exitcodes(self) -> list[int | None]:
-        return [p.exitcode for p in self.procs]
-
-    def join(self, nodes: list[int] | None = None, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        for n in nodes if nodes is not None else range(self.world_size):
-            self.procs[n].join(max(0.0, deadline - time.monotonic()))
-
-    def __exit__(self, *exc: Any) -> None:
-        for p in self.procs:
-            if p.exitcode is None:
-                p.join(0.1 if exc[0] else 10.0)
-            if p.exitcode is None:
-                p.kill()
-                p.join(5)
-        self.out.close()
-        self.out.join_thread()
+def Group(program: Any, world_size: int, init_method: str | None = None, **kw: Any) -> Spawned:
+    """``world_size`` spawned processes each running ``program`` (of torchrpc_peer)."""
+    return Spawned(program, world_size, init_method or tcp(), **kw)
 
 
 # ---------------------------------------------------------------------- exchange
@@ -94,7 +40,7 @@ class Group:
 def test_three_node_exchange_send_publish_call_order_payload(public_rpc_async):
     # public-rpc_async: frames and calls issued by rpc.rpc_async, as on a torch without the
     # internal call mq uses to skip its per-call Python.
-    with Group("exchange", 3, public_rpc_async=public_rpc_async) as g:
+    with Group(peer.exchange, 3, public_rpc_async=public_rpc_async) as g:
         res = g.results()
         g.join()
         assert g.exitcodes() == [0, 0, 0]
@@ -124,7 +70,7 @@ def test_file_and_env_init_methods(scheme, tmp_path):
         init_method, env = f"file://{tmp_path / 'rendezvous'}", {}
     else:
         init_method, env = "env://", {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    with Group("init_variant", 2, init_method, env=env) as g:
+    with Group(peer.init_variant, 2, init_method, env=env) as g:
         res = g.results()
         g.join()
     assert res[0] == ("hi", 1, [1])
@@ -132,7 +78,7 @@ def test_file_and_env_init_methods(scheme, tmp_path):
 
 @pytest.mark.timeout(180)
 def test_call_is_one_request_with_answers_errors_and_refused_spoofs():
-    with Group("calls", 2) as g:
+    with Group(peer.calls, 2) as g:
         res = g.results()
         g.join()
     server, caller = res[0], res[1]
@@ -156,7 +102,7 @@ def test_call_is_one_request_with_answers_errors_and_refused_spoofs():
 # ---------------------------------------------------------------------- failures
 @pytest.mark.timeout(120)
 def test_call_to_a_peer_killed_mid_handler_raises_peer_lost_at_once():
-    with Group("call_dies", 2) as g:
+    with Group(peer.call_dies, 2) as g:
         res = g.results(expect=[1])
         g.join([0, 1], timeout=10.0)
         assert g.procs[0].exitcode == -9
@@ -168,7 +114,7 @@ def test_call_to_a_peer_killed_mid_handler_raises_peer_lost_at_once():
 
 @pytest.mark.timeout(180)
 def test_sigkilled_peer_raises_within_bound_and_stop_is_bounded():
-    with Group("sigkill", 3) as g:
+    with Group(peer.sigkill, 3) as g:
         res = g.results(expect=[0, 1])
         g.join([0, 1], timeout=10.0)
         exited = {n: g.procs[n].exitcode for n in (0, 1)}
@@ -191,7 +137,7 @@ def test_sigkilled_peer_raises_within_bound_and_stop_is_bounded():
 
 @pytest.mark.timeout(120)
 def test_stop_abandons_a_hanging_rpc_shutdown_and_the_process_exits():
-    with Group("stop_abandoned", 2) as g:
+    with Group(peer.stop_abandoned, 2) as g:
         res = g.results()
         g.join(timeout=10.0)
         assert g.exitcodes() == [0, 0], "a worker whose rpc.shutdown hangs must still exit"
@@ -201,7 +147,7 @@ def test_stop_abandons_a_hanging_rpc_shutdown_and_the_process_exits():
 # ---------------------------------------------------------------------- safety and semantics
 @pytest.mark.timeout(120)
 def test_data_path_never_unpickles():
-    with Group("no_unpickle", 2) as g:
+    with Group(peer.no_unpickle, 2) as g:
         res = g.results()
         g.join()
     for node, r in res.items():
@@ -215,7 +161,7 @@ def test_data_path_never_unpickles():
 @pytest.mark.parametrize("options", [{}, {"copy_threshold": 0}, {"copy_threshold": 1 << 40}],
                          ids=["default", "never-copy", "always-copy"])
 def test_sender_may_modify_buffers_after_send_returns(options):
-    with Group("copy_semantics", 2, **options) as g:
+    with Group(peer.copy_semantics, 2, **options) as g:
         res = g.results()
         g.join()
     assert res[0] == [(float(i), float(i)) for i in range(5)]
@@ -226,7 +172,7 @@ def test_busy_poll_off_leaves_an_idle_process_asleep():
     # TensorPipe's shm transport spins a core per process (99-100% of one here while idle);
     # busy_poll=False keeps same-host frames on loopback TCP: messages, tensors and calls
     # still flow, and an idle node spends next to no CPU (a spinning one would show ~1 core).
-    with Group("idle_cpu", 2, busy_poll=False) as g:
+    with Group(peer.idle_cpu, 2, busy_poll=False) as g:
         res = g.results()
         g.join()
     for node in (0, 1):
@@ -238,7 +184,7 @@ def test_busy_poll_off_leaves_an_idle_process_asleep():
 
 @pytest.mark.timeout(120)
 def test_one_rpc_agent_per_process():
-    with Group("second_agent", 1, init_method2=tcp()) as g:
+    with Group(peer.second_agent, 1, init_method2=tcp()) as g:
         res = g.results()
         g.join()
     assert res[0]["refused"] and "one RPC agent per process" in res[0]["refused"]
@@ -384,7 +330,7 @@ def test_bad_options_are_config_errors(options, match):
 @pytest.mark.cuda
 @pytest.mark.timeout(180)
 def test_cuda_tensor_moves_device_to_device_with_a_device_map():
-    with Group("cuda_transfer", 2, mq_type="torchrpc:cuda", device_map="0_0_0,1_0_0") as g:
+    with Group(peer.cuda_transfer, 2, mq_type="torchrpc:cuda", device_map="0_0_0,1_0_0") as g:
         res = g.results()
         g.join()
     assert res[0] == {"device": "cuda:0", "ok": True, "cpu_device": "cpu"}
@@ -393,7 +339,7 @@ def test_cuda_tensor_moves_device_to_device_with_a_device_map():
 @pytest.mark.cuda
 @pytest.mark.timeout(180)
 def test_cuda_tensor_is_staged_through_host_with_torchrpc_cpu():
-    with Group("cuda_transfer", 2, mq_type="torchrpc:cpu", device_map=None) as g:
+    with Group(peer.cuda_transfer, 2, mq_type="torchrpc:cpu", device_map=None) as g:
         res = g.results()
         g.join()
     assert res[0] == {"device": "cuda:0", "ok": True, "cpu_device": "cpu"}
