@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mq.errors import ConfigError, ProtocolError
+from mq.options import check_bool
 
 NONCE_BYTES = 16
 ENV_VAR = "MQ_SECRET"
@@ -102,9 +103,7 @@ def resolve_secret(secret: Any = None, insecure: bool = False) -> Secret | None:
     Raises:
         ConfigError: a bad ``secret``, or a secret file others can read (the fix is named).
     """
-    if not isinstance(insecure, bool):
-        raise ConfigError(f"insecure must be True or False, got {insecure!r}")
-    if insecure:
+    if check_bool(insecure, "insecure"):
         if secret is not None:
             raise ConfigError("pass either secret= or insecure=True, not both")
         return None

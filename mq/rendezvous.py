@@ -97,6 +97,7 @@ class Rendezvous:
         world_size: how many nodes write; default: ``WORLD_SIZE`` of ``env://``.
         timeout: seconds to reach the store, and for every node to write.
         run: the key prefix (one per kind of entry).
+        what: what an entry holds, for the log line that refuses a forged one.
         shared: open the store the way ``torch.distributed``'s own rendezvous does (a
             multi-tenant TCPStore), so a later ``init_rpc`` on the same address shares node 0's
             server instead of binding the port twice.
@@ -107,7 +108,7 @@ class Rendezvous:
     """
 
     def __init__(self, init_method: str, node_id: int, world_size: int | None, *, timeout: float,
-                 run: str = "mq", shared: bool = False):
+                 run: str = "mq", what: str = "rendezvous entry", shared: bool = False):
         spec = parse_init_method(init_method)
         self.world_size = world_size if world_size is not None else spec.world_size
         if not self.world_size or self.world_size < 1:
@@ -119,6 +120,7 @@ class Rendezvous:
         self.init_method = init_method
         self.timeout = timeout
         self.prefix = f"{run}/"
+        self.what = what
         try:
             self.store = _open_store(spec, init_method, node_id, self.world_size, timeout, shared)
         except (RuntimeError, ValueError, OSError) as exc:
@@ -148,7 +150,7 @@ class Rendezvous:
             raise Timeout(f"node {self.node_id}: nodes {', '.join(missing)} did not join the rendezvous "
                           f"within {self.timeout:g}s (world_size={self.world_size}, init_method="
                           f"{self.init_method}): are all nodes started?") from None
-        return {i: open_entry(secret, self.store.get(k), f"rendezvous entry {k}") for i, k in enumerate(keys)}
+        return {i: open_entry(secret, self.store.get(k), f"node {i}'s {self.what}") for i, k in enumerate(keys)}
 
 
 def _open_store(spec: InitMethod, init_method: str, node_id: int, world_size: int, timeout: float,

@@ -62,6 +62,7 @@ import numpy as np
 from cffi import FFI
 
 from mq.errors import ConfigError, ProtocolError, Timeout
+from mq.options import check_int
 
 log = logging.getLogger("mq.shm")
 
@@ -165,9 +166,8 @@ class Pool:
 
     @staticmethod
     def check_options(max_bytes: Any, inline_max: Any) -> None:
-        for name, value in (("shm_pool_bytes", max_bytes), ("shm_inline_max", inline_max)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be an int >= 0 (bytes), got {value!r}")
+        check_int(max_bytes, "shm_pool_bytes", minimum=0, unit="bytes")
+        check_int(inline_max, "shm_inline_max", minimum=0, unit="bytes")
 
     # ------------------------------------------------------------------ handshake
     def probe_info(self) -> dict[str, Any]:

@@ -110,3 +110,29 @@ def test_an_attach_address_that_never_answers_is_named():
     with q:
         with pytest.raises(mq.Timeout, match=r"no answer from tcp://127.0.0.1:9"):
             q.wait_for_peers(1, timeout=0.5)
+
+
+def test_options_are_routed_by_field_and_none_is_both_cores_and_a_transports():
+    """create() gives each option to MQ or to the transport's options type by name; a name both
+    take would be shadowed (the transport would never see it), so it cannot be declared."""
+    import dataclasses
+
+    from mq.registry import CORE_OPTIONS, MQ_TYPES, backend_class, transport_options
+
+    assert "heartbeat" in CORE_OPTIONS  # one heartbeat, core's, for every backend
+    for mq_type in MQ_TYPES:
+        try:
+            cls, _fixed = backend_class(mq_type)
+        except ImportError:  # torch or pynng missing here
+            continue
+        assert not transport_options(cls) & CORE_OPTIONS
+
+    @dataclasses.dataclass(frozen=True)
+    class Shadowing:
+        heartbeat: float = 1.0
+
+    class Transport:
+        Options = Shadowing
+
+    with pytest.raises(TypeError, match=r"\['heartbeat'\] are also MQ options"):
+        transport_options(Transport)

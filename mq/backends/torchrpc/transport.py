@@ -167,14 +167,13 @@ class TorchRpcTransport(Transport):
         if peer not in self._links:
             raise ProtocolError(f"node {peer} is not in this torch RPC group of {self.world_size}")
 
-
     def _exchange_localities(self) -> dict[int, Locality]:
         """Publish our locality in the rendezvous store and read every peer's, before
         ``init_rpc``: TensorPipe's transports and channels are fixed when the agent starts."""
         assert self.init_method is not None
         # shared: init_rpc's own rendezvous on the same address later shares node 0's store
         self._rendezvous = Rendezvous(self.init_method, self.node_id, self.world_size, timeout=self.timeout,
-                                      run="mq/torchrpc/locality", shared=True)
+                                      run="mq/torchrpc/locality", what="locality", shared=True)
         secret = self._node.secret if self._node is not None else None
         nodes = self._rendezvous.exchange(
             {"locality": self.locality.to_dict(), "incarnation": self.incarnation}, secret)
