@@ -71,7 +71,7 @@ def node():
                      "locality": tree, "shm": tree, "addresses": tree, "max_frame_bytes": tree})))
 def test_arbitrary_handshake_frames_never_crash_or_admit(node, kind, sender, payload):
     frame = Codec().encode(kind, "", sender, 0, 0, payload)
-    node.on_frame(frame.header, [memoryview(bytes(b)) for b in frame.buffers], ("inproc", "stranger"))
+    node._dispatch.on_frame(frame.header, [memoryview(bytes(b)) for b in frame.buffers], ("inproc", "stranger"))
     assert node.peers() == [] and node.running
 
 

@@ -49,7 +49,7 @@ def main() -> None:
 
 def count(q: mq.MQ, n: int) -> None:
     per_message: list[int] = []  # frames in each NNG message received
-    handle, on_frame = q.transport._handle_frame, q.on_frame
+    handle, on_frame = q.transport._handle_frame, q._dispatch.on_frame
 
     def counted_message(msg):
         per_message.append(0)
@@ -60,7 +60,7 @@ def count(q: mq.MQ, n: int) -> None:
             per_message[-1] += 1
         on_frame(*args)
 
-    q.transport._handle_frame, q.on_frame = counted_message, counted_frame
+    q.transport._handle_frame, q._dispatch.on_frame = counted_message, counted_frame
     time.sleep(1.0)  # the sender's pipe backs up meanwhile
     got = [q.recv(timeout=20).payload["i"] for _ in range(n)]
     q.send(0, "counted", {"got": got, "batched": sum(k for k in per_message if k > 1),
