@@ -156,20 +156,28 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
         warmup=warmup, baselines=not no_baseline, links=not no_links, modes=list(modes),
         subscribers=subscribers, messages=messages, mode_sizes=mode_sizes, busy_poll=busy_poll,
     )
+    report = _measure(cfg, quiet)
+    _output(report, fmt, out_dir, plot_path)
+
+
+def _measure(cfg: Any, quiet: bool) -> Any:
+    """Run the benchmark ``cfg`` (a BenchConfig) describes, with progress unless ``quiet``."""
     try:
         cfg.validate()
     except ConfigError as exc:
         raise _fail(str(exc)) from None
-
     try:
         with _progress(quiet) as progress:
-            report = lib.run(cfg, progress=progress)
+            return lib.run(cfg, progress=progress)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
     except KeyboardInterrupt:
         click.echo("interrupted: workers stopped, namespaces removed", err=True)
         sys.exit(130)
 
+
+def _output(report: Any, fmt: str, out_dir: str | None, plot_path: str | None) -> None:
+    """Write the report's files and plot, and print it in ``fmt``."""
     written = []
     if out_dir:
         written += lib.write_all(report, out_dir)

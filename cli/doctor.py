@@ -178,98 +178,100 @@ def report(locality: Locality | None = None) -> dict[str, Any]:
 
 def _render(rep: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
-    from rich.tree import Tree
 
     console = Console()
-
-    def failed(section: str) -> bool:
+    for section, render in _SECTIONS:
         value = rep[section]
         if isinstance(value, dict) and set(value) == {"error"}:
             console.print(f"[red]{section}: could not be read: {value['error']}[/red]")
-            return True
-        return False
+        else:
+            console.print(render(value))
+    console.print(_software_table(rep))
+    console.print(_routes_table(rep["routes"]))
 
-    if not failed("node"):
-        node = rep["node"]
-        tree = Tree(f"[bold]node[/bold] {node['hostname']} pid {node['pid']}")
-        tree.add(f"boot id {node['boot_id']}")
-        tree.add("namespaces " + " ".join(str(node[k]) for k in ("ipc_ns", "pid_ns", "net_ns", "mnt_ns")))
-        tree.add("interfaces " + (", ".join(node["interfaces"]) or "none"))
-        console.print(tree)
 
-    if not failed("container"):
-        c = rep["container"]
-        head = f"in a container ({c['runtime']})" if c["in_container"] else "not in a container"
-        if c.get("container_id"):
-            head += f", id {c['container_id'][:12]}"
-        tree = Tree(f"[bold]container[/bold] {head}")
-        for line in c["evidence"]:
-            tree.add(line)
-        console.print(tree)
+def _node_tree(node: dict[str, Any]) -> Any:
+    from rich.tree import Tree
 
-    if not failed("fork_safety"):
-        f = rep["fork_safety"]
-        tree = Tree(f"[bold]fork safety[/bold] {'ok' if f['ok'] else '[red]NOT SAFE[/red]'}")
-        for k, v in f["env"].items():
-            tree.add(f"{k}={v if v is not None else '(unset)'}")
-        tree.add(f"RDMA may be used: {f['rdma_may_be_used']}; started: {f['rdma_started']}; "
-                 f"start method: {f['start_method'] or '(default)'}")
-        if f["advice"]:
-            tree.add(f"[yellow]{f['advice']}[/yellow]")
-        console.print(tree)
+    tree = Tree(f"[bold]node[/bold] {node['hostname']} pid {node['pid']}")
+    tree.add(f"boot id {node['boot_id']}")
+    tree.add("namespaces " + " ".join(str(node[k]) for k in ("ipc_ns", "pid_ns", "net_ns", "mnt_ns")))
+    tree.add("interfaces " + (", ".join(node["interfaces"]) or "none"))
+    return tree
 
-    if not failed("rdma"):
-        r = rep["rdma"]
-        table = Table(title="RDMA devices", title_justify="left")
-        for col in ("device", "port", "state", "phys state", "link layer", "rate"):
-            table.add_column(col)
-        for dev in r["devices"]:
-            for p in dev["ports"] or [None]:
-                if p is None:
-                    table.add_row(dev["name"], "-", "no ports", "", "", "")
-                else:
-                    state = p["state"] if p["state"] != "ACTIVE" else "[green]ACTIVE[/green]"
-                    table.add_row(dev["name"], str(p["port"]), state, p["phys_state"], p["link_layer"], p["rate"])
-        if not r["devices"]:
-            table.add_row("none", "", "", "", "", "")
-        console.print(table)
 
-    if not failed("gpus"):
-        g = rep["gpus"]
-        table = Table(title=f"GPUs ({g['count']}) and peer-to-peer access", title_justify="left")
-        table.add_column("idx")
-        table.add_column("name")
-        table.add_column("uuid")
-        for d in g["devices"]:
-            table.add_column(f"P2P {d['index']}")
-        for d, row in zip(g["devices"], g["p2p_matrix"]):
-            cells = ["X" if v is None else ("OK" if v else "-") for v in row]
-            table.add_row(str(d["index"]), d["name"], d["uuid"], *cells)
-        if not g["devices"]:
-            table.add_row("-", "no GPU visible", "")
-        console.print(table)
+def _container_tree(c: dict[str, Any]) -> Any:
+    from rich.tree import Tree
+
+    head = f"in a container ({c['runtime']})" if c["in_container"] else "not in a container"
+    if c.get("container_id"):
+        head += f", id {c['container_id'][:12]}"
+    tree = Tree(f"[bold]container[/bold] {head}")
+    for line in c["evidence"]:
+        tree.add(line)
+    return tree
+
+
+def _fork_safety_tree(f: dict[str, Any]) -> Any:
+    from rich.tree import Tree
+
+    tree = Tree(f"[bold]fork safety[/bold] {'ok' if f['ok'] else '[red]NOT SAFE[/red]'}")
+    for k, v in f["env"].items():
+        tree.add(f"{k}={v if v is not None else '(unset)'}")
+    tree.add(f"RDMA may be used: {f['rdma_may_be_used']}; started: {f['rdma_started']}; "
+             f"start method: {f['start_method'] or '(default)'}")
+    if f["advice"]:
+        tree.add(f"[yellow]{f['advice']}[/yellow]")
+    return tree
+
+
+def _rdma_table(r: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="RDMA devices", title_justify="left")
+    for col in ("device", "port", "state", "phys state", "link layer", "rate"):
+        table.add_column(col)
+    for dev in r["devices"]:
+        for p in dev["ports"] or [None]:
+            if p is None:
+                table.add_row(dev["name"], "-", "no ports", "", "", "")
+            else:
+                state = p["state"] if p["state"] != "ACTIVE" else "[green]ACTIVE[/green]"
+                table.add_row(dev["name"], str(p["port"]), state, p["phys_state"], p["link_layer"], p["rate"])
+    if not r["devices"]:
+        table.add_row("none", "", "", "", "", "")
+    return table
+
+
+def _gpu_table(g: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"GPUs ({g['count']}) and peer-to-peer access", title_justify="left")
+    table.add_column("idx")
+    table.add_column("name")
+    table.add_column("uuid")
+    for d in g["devices"]:
+        table.add_column(f"P2P {d['index']}")
+    for d, row in zip(g["devices"], g["p2p_matrix"]):
+        cells = ["X" if v is None else ("OK" if v else "-") for v in row]
+        table.add_row(str(d["index"]), d["name"], d["uuid"], *cells)
+    if not g["devices"]:
+        table.add_row("-", "no GPU visible", "")
+    return table
+
+
+#: The report's sections drawn one by one, each unless it could not be read.
+_SECTIONS = (("node", _node_tree), ("container", _container_tree), ("fork_safety", _fork_safety_tree),
+             ("rdma", _rdma_table), ("gpus", _gpu_table))
+
+
+def _software_table(rep: dict[str, Any]) -> Any:
+    from rich.table import Table
 
     table = Table(title="software", title_justify="left")
     table.add_column("component")
     table.add_column("status")
-    t = rep["torch"]
-    if "error" in t and not t.get("available"):
-        table.add_row("torch", f"[red]missing[/red] ({t['error']})")
-    else:
-        table.add_row("torch", f"{t.get('version')} (CUDA build {t.get('cuda_build') or 'none'})")
-        table.add_row("torch.distributed.rpc", "available" if t.get("rpc_available") else "[red]unavailable[/red]")
-    tp = rep["tensorpipe"]
-    if "error" in tp:
-        table.add_row("TensorPipe", f"[red]{tp['error']}[/red]")
-    else:
-        table.add_row("TensorPipe", "backend present" if tp["backend_present"] else "[red]absent[/red]")
-        transports = ", ".join(tp["options"]["_transports"])
-        if "shm" in tp["options"]["_transports"]:
-            transports += (" [yellow](shm busy-polls one CPU core per torchrpc process: "
-                           "busy_poll=False, mq run --no-busy-poll)[/yellow]")
-        table.add_row("  transports", transports)
-        table.add_row("  channels", ", ".join(tp["options"]["_channels"]))
+    _torch_rows(table, rep["torch"], rep["tensorpipe"])
     pn = rep["pynng"]
     table.add_row("pynng", pn.get("version") or "[red]missing[/red]")
     if pn.get("version"):
@@ -283,12 +285,34 @@ def _render(rep: dict[str, Any]) -> None:
     sh = rep["shm"]
     table.add_row("shm data path", ("available: " if sh.get("available") else "[yellow]unavailable[/yellow]: ")
                   + str(sh.get("why") or sh.get("error")))
-    console.print(table)
+    return table
+
+
+def _torch_rows(table: Any, t: dict[str, Any], tp: dict[str, Any]) -> None:
+    if "error" in t and not t.get("available"):
+        table.add_row("torch", f"[red]missing[/red] ({t['error']})")
+    else:
+        table.add_row("torch", f"{t.get('version')} (CUDA build {t.get('cuda_build') or 'none'})")
+        table.add_row("torch.distributed.rpc", "available" if t.get("rpc_available") else "[red]unavailable[/red]")
+    if "error" in tp:
+        table.add_row("TensorPipe", f"[red]{tp['error']}[/red]")
+        return
+    table.add_row("TensorPipe", "backend present" if tp["backend_present"] else "[red]absent[/red]")
+    transports = ", ".join(tp["options"]["_transports"])
+    if "shm" in tp["options"]["_transports"]:
+        transports += (" [yellow](shm busy-polls one CPU core per torchrpc process: "
+                       "busy_poll=False, mq run --no-busy-poll)[/yellow]")
+    table.add_row("  transports", transports)
+    table.add_row("  channels", ", ".join(tp["options"]["_channels"]))
+
+
+def _routes_table(routes: dict[str, Any]) -> Any:
+    from rich.table import Table
 
     table = Table(title="routes this node would take", title_justify="left", show_lines=True)
     for col in ("backend", "peer", "CPU", "GPU", "why"):
         table.add_column(col, overflow="fold")
-    for backend, by_peer in rep["routes"].items():
+    for backend, by_peer in routes.items():
         for where, r in by_peer.items():
             peer = "same host, other pid" if where == "local" else "other host"
             if "error" in r:
@@ -296,7 +320,7 @@ def _render(rep: dict[str, Any]) -> None:
             else:
                 gpu = r["gpu"] + (" + GPUDirect" if r["gpudirect"] else "")
                 table.add_row(backend, peer, r["kind"], gpu, r["reason"])
-    console.print(table)
+    return table
 
 
 @click.command("doctor")

@@ -8,6 +8,8 @@ import click
 
 from mq.errors import ConfigError, MQError
 from mq.launch_profiles import launchable_mq_types
+from mq.platforms import PLATFORMS
+from mq.rendezvous import TOPOLOGIES
 
 
 def _int_list(value: str | None, what: str) -> list[int] | None:
@@ -34,7 +36,7 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
 @click.option("--mq-type", default="nng", show_default=True, metavar="|".join(launchable_mq_types()),
               help="Backend: nng, torchrpc:cpu (GPU tensors staged via host) or torchrpc:cuda "
                    "(device to device through device maps).")
-@click.option("--topology", default="mesh", show_default=True, metavar="mesh|star|alone",
+@click.option("--topology", default="mesh", show_default=True, metavar="|".join(TOPOLOGIES),
               help="Who connects to whom: every pair, everyone to the first node, or nobody.")
 @click.option("--protocol", default="auto", show_default=True, metavar="auto|tcp|ipc",
               help="nng: auto picks the best route per peer (inproc/ipc/tcp); tcp or ipc force one.")
@@ -68,7 +70,7 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
                    "call() polls up to 0.5 ms before sleeping, while answers come that fast. "
                    "torchrpc: TensorPipe's same-host shm transport spins one CPU core per process. "
                    "--no-busy-poll: every wait sleeps (nng), loopback TCP (torchrpc).")
-@click.option("--platform", default="local", show_default=True, metavar="local|slurm|k8s",
+@click.option("--platform", default="local", show_default=True, metavar="|".join(PLATFORMS),
               help="Derive node ids, addresses and ports from the scheduler's environment.")
 @click.option("--startup-interval", type=float, default=0.0, show_default=True,
               help="Seconds between starting workers.")

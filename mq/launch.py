@@ -16,6 +16,11 @@ Guarantees:
   SIGTERM (exit 130 or 143) stops the job the same way, with the same exit code, whether or
   not the launcher has seen the signal yet: Ctrl-C and scancel reach every process at once.
 * Workers die with the launcher (PR_SET_PDEATHSIG), so none is left behind as an orphan.
+
+Planning (:func:`make_plan`) checks a :class:`LaunchRequest` and asks the backend's launch
+profile (:mod:`mq.launch_profiles`) for each worker's options, locally or from a platform's
+plan (:mod:`mq.platforms`); running (:func:`run_plan`) spawns and supervises the workers with
+:mod:`mq.supervise`.
 """
 
 from __future__ import annotations

@@ -441,22 +441,54 @@ def detect_container(root: str = "/", environ: Mapping[str, str] | None = None) 
         The verdict; ``runtime`` is the most specific engine found.
     """
     env = os.environ if environ is None else environ
-    evidence: list[str] = []
-    runtimes: list[str] = []
-    cid: str | None = None
+    found = _Findings()
+    _marker_files(root, found)
+    _cgroup_evidence(root, found)
+    _mount_evidence(root, found)
+    _env_evidence(env, found)
+    evidence = list(dict.fromkeys(found.evidence))  # one line per fact, first-seen order
+    runtime = None
+    for preferred in ("kubernetes", "podman", "docker", "containerd", "lxc"):
+        if preferred in found.runtimes:
+            runtime = preferred
+            break
+    if runtime is None and found.runtimes:
+        runtime = found.runtimes[0]
+    if runtime is None and evidence:
+        runtime = "unknown"
+    return ContainerInfo(in_container=bool(evidence), runtime=runtime, evidence=tuple(evidence),
+                         container_id=found.cid)
 
+
+@dataclass
+class _Findings:
+    """What the sources of :func:`detect_container` found, in the order they were read."""
+
+    evidence: list[str] = field(default_factory=list)
+    runtimes: list[str] = field(default_factory=list)
+    cid: str | None = None  # the first container id any source names
+
+    def runtime(self, runtime: str, cid: str | None = None) -> None:
+        self.runtimes.append(runtime)
+        self.cid = self.cid or cid
+
+
+def _marker_files(root: str, found: _Findings) -> None:
+    """``/.dockerenv`` (docker) and ``/run/.containerenv`` (podman; its content names the engine)."""
     if os.path.exists(_path(root, ".dockerenv")):
-        evidence.append("/.dockerenv exists")
-        runtimes.append("docker")
+        found.evidence.append("/.dockerenv exists")
+        found.runtime("docker")
     containerenv = _path(root, "run/.containerenv")
     if os.path.exists(containerenv):
         text = _read_text(containerenv) or ""
-        m = re.search(r'^engine="([a-z]+)', text, re.M)
-        evidence.append("/run/.containerenv exists")
-        runtimes.append(m.group(1) if m else "podman")
-        m = re.search(r'^id="([0-9a-f]+)"', text, re.M)
-        cid = cid or (m.group(1) if m else None)
+        engine = re.search(r'^engine="([a-z]+)', text, re.M)
+        found.evidence.append("/run/.containerenv exists")
+        cid = re.search(r'^id="([0-9a-f]+)"', text, re.M)
+        found.runtime(engine.group(1) if engine else "podman", cid.group(1) if cid else None)
 
+
+def _cgroup_evidence(root: str, found: _Findings) -> None:
+    """``/proc/self/cgroup`` paths with a container engine's marker."""
     # One evidence line per source: a v1 cgroup file repeats the same path for every controller.
     cgroup_hits: list[str] = []
     for line in (_read_text(_path(root, "proc/self/cgroup")) or "").splitlines():
@@ -469,12 +501,13 @@ def detect_container(root: str = "/", environ: Mapping[str, str] | None = None) 
         for marker, runtime in _CGROUP_MARKERS:
             if marker in cgpath:
                 cgroup_hits.append(line.strip())
-                runtimes.append(runtime)
-                cid = cid or _find_id(cgpath)
+                found.runtime(runtime, _find_id(cgpath))
                 break
+    found.evidence.extend(_summarize("/proc/self/cgroup", cgroup_hits))
 
-    evidence.extend(_summarize("/proc/self/cgroup", cgroup_hits))
 
+def _mount_evidence(root: str, found: _Findings) -> None:
+    """``/proc/self/mountinfo``: an overlay root, or files mounted from an engine's directory."""
     mount_hits: list[str] = []
     for line in (_read_text(_path(root, "proc/self/mountinfo")) or "").splitlines():
         # "36 35 98:0 <root> <mount point> <opts> ... - <fstype> <source> <super opts>"
@@ -484,36 +517,25 @@ def detect_container(root: str = "/", environ: Mapping[str, str] | None = None) 
             continue
         fstype = post.split()[0] if post.split() else ""
         if parts[4] == "/" and fstype == "overlay":
-            evidence.append("/proc/self/mountinfo: overlay root filesystem")
+            found.evidence.append("/proc/self/mountinfo: overlay root filesystem")
         for marker, runtime in _MOUNT_MARKERS:
             if marker in parts[3]:
                 mount_hits.append(f"{parts[4]} mounted from {parts[3]}")
-                runtimes.append(runtime)
-                cid = cid or _find_id(parts[3])
+                found.runtime(runtime, _find_id(parts[3]))
                 break
+    found.evidence.extend(_summarize("/proc/self/mountinfo", mount_hits))
 
-    evidence.extend(_summarize("/proc/self/mountinfo", mount_hits))
 
+def _env_evidence(env: Mapping[str, str], found: _Findings) -> None:
+    """KUBERNETES_SERVICE_HOST, ``container`` (podman, systemd-nspawn, lxc) and MQ_CONTAINER."""
     if env.get("KUBERNETES_SERVICE_HOST"):
-        evidence.append(f"KUBERNETES_SERVICE_HOST={env['KUBERNETES_SERVICE_HOST']}")
-        runtimes.append("kubernetes")
+        found.evidence.append(f"KUBERNETES_SERVICE_HOST={env['KUBERNETES_SERVICE_HOST']}")
+        found.runtime("kubernetes")
     if env.get("container"):
-        evidence.append(f"container={env['container']}")
-        runtimes.append(env["container"])
+        found.evidence.append(f"container={env['container']}")
+        found.runtime(env["container"])
     if env.get("MQ_CONTAINER"):
-        evidence.append(f"MQ_CONTAINER={env['MQ_CONTAINER']}")
-
-    evidence = list(dict.fromkeys(evidence))  # one line per fact, first-seen order
-    runtime = None
-    for preferred in ("kubernetes", "podman", "docker", "containerd", "lxc"):
-        if preferred in runtimes:
-            runtime = preferred
-            break
-    if runtime is None and runtimes:
-        runtime = runtimes[0]
-    if runtime is None and evidence:
-        runtime = "unknown"
-    return ContainerInfo(in_container=bool(evidence), runtime=runtime, evidence=tuple(evidence), container_id=cid)
+        found.evidence.append(f"MQ_CONTAINER={env['MQ_CONTAINER']}")
 
 
 def _visible_nvml_indices(count: int, uuids: list[str], environ: Mapping[str, str]) -> list[int]:

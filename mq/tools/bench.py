@@ -71,6 +71,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from mq.errors import ConfigError
+from mq.launch_profiles import launchable_mq_types
 from mq.supervise import stop_signals_raise
 from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
     ROW_FIELDS, TARGETS, Report, _read, _targets, fmt_ms, fmt_ratio, machine_info, machine_line,
@@ -112,7 +113,7 @@ NNG_ROUTES = ("auto", "tcp", "ipc")
 class BenchConfig:
     """What to measure. See the module docstring for the sampling rules."""
 
-    mq_types: Sequence[str] = ("nng", "torchrpc:cpu", "torchrpc:cuda")
+    mq_types: Sequence[str] = field(default_factory=launchable_mq_types)  # one process per node
     routes: Sequence[str] = NNG_ROUTES  # for nng; torch RPC rows are always "auto"
     device: str = "cpu"  # payload device for every row...
     devices: dict[str, str] = field(default_factory=dict)  # ...unless set per mq type here
