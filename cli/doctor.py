@@ -18,7 +18,8 @@ import click
 import mq.forksafe as forksafe
 from mq.locality import Locality, local
 from mq import auth as _auth
-from mq.routing import BACKEND_ROUTES, select_route, tensorpipe_options
+from mq.backends.torchrpc.tensorpipe import tensorpipe_options
+from mq.routing import BACKEND_ROUTES, select_route
 
 __all__ = ["doctor", "report"]
 

@@ -99,7 +99,7 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
     """
     from mq import device_map
     from mq.launch import LaunchError, make_plan, run_plan
-    from mq.backends.nng import check_address
+    from mq.backends.nng.options import check_address
 
     try:
         attach = [check_address(a.strip(), "--attach-to address") for a in (attach_to or "").split(",") if a.strip()]

@@ -230,7 +230,7 @@ class LaunchRequest:
     launcher per host). ``roles`` (``"learner:1,collector:*"``) deals labels in node-id order
     over the whole job. ``check_network`` resolves every host name and checks this host's
     ports before anything starts (off for planning on another machine). ``busy_poll``: see
-    :class:`mq.backends.nng.NngTransport` and :class:`mq.backends.torchrpc.TorchRpcTransport`;
+    :class:`mq.backends.nng.transport.NngTransport` and :class:`mq.backends.torchrpc.transport.TorchRpcTransport`;
     None leaves the transport's default (on for both). ``mq_options`` go to every worker's
     ``mq.create`` as given; ``args`` reach ``main`` as ``ctx.args``.
     """

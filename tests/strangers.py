@@ -12,7 +12,8 @@ from typing import Any
 
 import pynng
 
-from mq.backends import tcplink, unixlink
+from mq.backends.links import tcp as tcplink
+from mq.backends.links import unix as unixlink
 from mq.codec import Codec
 
 #: A node's listening surfaces, by the key of its address in ``q.addresses``.

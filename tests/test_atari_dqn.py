@@ -37,7 +37,7 @@ def _have(module: str) -> bool:
 
 def _torchrpc_available() -> bool:
     try:
-        importlib.import_module("mq.backends.torchrpc")
+        importlib.import_module("mq.backends.torchrpc.transport")
     except Exception:
         return False
     return True

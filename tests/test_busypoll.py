@@ -1,4 +1,4 @@
-"""The waiting policy of mq.backends.busypoll on its own: what it spins, for how long, when it
+"""The waiting policy of mq.backends.nng.busypoll on its own: what it spins, for how long, when it
 stops (the transport-level behaviour is in tests/test_nng.py, over real links)."""
 
 from __future__ import annotations

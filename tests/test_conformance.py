@@ -34,7 +34,7 @@ BACKENDS = [
     pytest.param(Backend(testing.Launched("nng", "auto"), "shm"), id="nng-shm"),
     pytest.param(Backend(testing.InProcess(testing.inproc_nodes), "inproc"), id="inproc"),
     pytest.param(Backend(testing.Launched("torchrpc:cpu"), "shm"), id="torchrpc-cpu",
-                 marks=pytest.mark.skipif(importlib.util.find_spec("mq.backends.torchrpc") is None,
+                 marks=pytest.mark.skipif(importlib.util.find_spec("mq.backends.torchrpc.transport") is None,
                                           reason="torch RPC backend not built")),
 ]
 
@@ -97,7 +97,7 @@ class OutOfTree(Transport):
 
     def __init__(self, node_id: int, listen_to: str, attach_to: list[str]):
         inproc, _fixed = backend_class("inproc")
-        self.inner = inproc(node_id, listen_to=listen_to, attach_to=attach_to)
+        self.inner = inproc(node_id, inproc.Options(listen_to=listen_to, attach_to=attach_to))
         self.routes = self.inner.routes
         self.sent = 0
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import pytest
 
 import mq
-from mq.backends import inproc
+from mq.backends.inproc import transport as inproc
 from mq.codec import MSG, Codec
 from mq.testing import wait_until
 from tests.jobs.hostile_peer import (CONNECT, SURFACES, exchange, framed, malformed_frames, mutated,

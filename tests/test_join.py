@@ -41,7 +41,7 @@ class Stranger:
         self.node_id = node_id
         self.incarnation = f"stranger-{node_id}-{next(_names)}"
         self.nonce = nonce()
-        self.transport = inproc(node_id, listen_to=listen_to or address("stranger"))
+        self.transport = inproc(node_id, inproc.Options(listen_to=listen_to or address("stranger")))
         self.address = self.transport.address
         self.frames: list[tuple[float, handshake.Handshake]] = []  # (when, frame)
         self.changed = threading.Condition()

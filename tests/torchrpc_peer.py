@@ -57,7 +57,7 @@ def exchange(node_id: int, world_size: int, init_method: str, public_rpc_async: 
     payload; node 2 subscribes to what node 0 publishes; everyone publishes stats.
     ``public_rpc_async``: as mq does on a torch without the internal call it uses."""
     if public_rpc_async:
-        import mq.backends.torchrpc as backend
+        import mq.backends.torchrpc.wire as backend
         backend._invoke_rpc_torchscript = None
     labels = ["learner"] if node_id == 0 else ["collector"]
     with _create(node_id, world_size, init_method, labels) as q:
@@ -152,7 +152,7 @@ def calls(node_id: int, world_size: int, init_method: str) -> Any:
 
     from torch.distributed import rpc
 
-    from mq.backends.torchrpc import _inline_text, _request_script
+    from mq.backends.torchrpc.wire import inline_text as _inline_text, request_script as _request_script
     from mq.codec import REQ
 
     with _create(node_id, world_size, init_method) as q:

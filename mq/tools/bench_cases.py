@@ -180,7 +180,7 @@ def mq_type_unavailable(mq_type: str) -> str | None:
     try:
         backend_class(mq_type)
     except Exception as exc:
-        module = importlib.util.find_spec("mq.backends.torchrpc") if mq_type.startswith("torchrpc") else True
+        module = importlib.util.find_spec("mq.backends.torchrpc.transport") if mq_type.startswith("torchrpc") else True
         what = "mq.backends.torchrpc is not written yet" if module is None else "its backend does not import"
         return f"{what} ({type(exc).__name__}: {exc})"
     return None

@@ -1,0 +1,123 @@
+"""The house rules of issue 23, checked on the source: sizes a newcomer can read, no import
+cycle among mq modules, tools and fan-out on public API only, route choice free of TensorPipe,
+a launcher that does not branch on the backend. Each fails if the rule breaks."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MAX_CLASS, MAX_MODULE, MAX_FUNCTION = 500, 800, 80
+
+
+def _sources(*roots: str) -> dict[str, ast.Module]:
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p))
+            for root in roots for p in sorted((ROOT / root).rglob("*.py"))}
+
+
+def _span(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def test_no_class_module_or_function_past_its_limit():
+    too_big = []
+    for path, tree in _sources("mq", "cli").items():
+        lines = len((ROOT / path).read_text().splitlines())
+        if path.startswith("mq/") and lines > MAX_MODULE:
+            too_big.append(f"module {path}: {lines} lines > {MAX_MODULE}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and not path.startswith("mq/tools/") and _span(node) > MAX_CLASS:
+                too_big.append(f"class {path}:{node.name}: {_span(node)} lines > {MAX_CLASS}")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _span(node) > MAX_FUNCTION:
+                too_big.append(f"function {path}:{node.name}: {_span(node)} lines > {MAX_FUNCTION}")
+    assert not too_big, "\n".join(too_big)
+
+
+def _module_name(path: str) -> str:
+    name = path[:-3].replace("/", ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def _imports(path: str, tree: ast.Module, modules: set[str]) -> set[str]:
+    """The mq modules this one imports, anywhere in it (a function-level import counts)."""
+    here = _module_name(path)
+    package = here if path.endswith("__init__.py") else here.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != here and not here.startswith(name + "."):
+                found.add(name)  # a package's __init__ imported by its own modules is not a cycle
+    return found
+
+
+def test_no_import_cycle_among_mq_modules():
+    sources = _sources("mq")
+    modules = {_module_name(p) for p in sources}
+    graph = {_module_name(p): _imports(p, t, modules) for p, t in sources.items()}
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [node, nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [node])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_tools_and_fanout_use_only_the_public_api_of_a_queue():
+    """No ``q._x`` / ``node._x`` / ``self.q._x`` reach into an MQ from the tools or the fan-out."""
+    offenders = []
+    files = sorted((ROOT / "mq" / "tools").rglob("*.py")) + [ROOT / "mq" / "fanout.py"]
+    files += sorted((ROOT / "cli").rglob("*.py"))
+    reach = re.compile(r"\b(?:q|node|mq_|queue_|learner|self\.q|self\._q|self\.node|self\._node|g\.q)\._[a-z]\w*")
+    for path in files:
+        if not path.exists():
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if reach.search(line.split("#", 1)[0]):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_route_choice_names_no_tensorpipe_option():
+    text = (ROOT / "mq" / "routing.py").read_text()
+    for word in ("TensorPipeRpcBackendOptions", "_transports", "_channels", "rpc_timeout",
+                 "num_worker_threads", "device_maps", "set_device_map"):
+        assert word not in text, f"mq/routing.py names {word!r}: TensorPipe knowledge belongs to its backend"
+
+
+def test_the_launcher_does_not_branch_on_the_mq_type():
+    for path in (ROOT / "mq" / "launch.py", ROOT / "cli" / "run.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(side, (ast.Name, ast.Attribute)) and
+                    (getattr(side, "id", None) or getattr(side, "attr", None)) == "mq_type"
+                    for side in [node.left, *node.comparators]):
+                pytest.fail(f"{path.relative_to(ROOT)}:{node.lineno} compares mq_type: ask the "
+                            "backend's launch profile instead")
