@@ -32,7 +32,7 @@ class EncodeError(MQError, TypeError):
 
 class ProtocolError(MQError):
     """A peer sent something that breaks the wire protocol. ``cause`` names the counter a
-    dropped frame goes under (:class:`mq.core.Stats`)."""
+    dropped frame goes under (:class:`mq.stats.Stats`)."""
 
     cause = "malformed"
 

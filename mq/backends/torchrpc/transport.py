@@ -13,7 +13,7 @@ Ordering and backpressure
 TensorPipe runs incoming requests on a thread pool, so frames of one sender can be handled out
 of order. The receiver keeps, per sender, the next expected ``seq`` and the frames that came
 early, and passes frames in send order to one delivery thread (which runs
-:meth:`mq.core.MQ._deliver`, off TensorPipe's threads). The op never blocks: it parks the frame
+:meth:`mq.delivery.Delivery.deliver`, off TensorPipe's threads). The op never blocks: it parks the frame
 and returns. Flow control is by credit: a sender may have at most ``send_window`` frames, and
 ``send_window_bytes`` bytes (one frame always fits), that the receiver has not yet consumed
 (handed to its queue or handler). Credit comes back in every RPC's return value and in every

@@ -28,7 +28,7 @@ buffers) -> (str, Tensor[])`` carries a REQ frame laid out as above, and its ret
 the reply frame (REP_OK / REP_ERR) laid out the same way; empty text means "not taken here"
 (the server's request threads are busy, or the caller's join is not confirmed yet) and the
 caller sends the REQ as an ordinary frame. The server runs the ``on`` handler on the TensorPipe
-thread that received the request (:meth:`mq.core.MQ.on_request`); requests hold at most half
+thread that received the request (:meth:`mq.dispatch.Dispatch.on_request`); requests hold at most half
 of TensorPipe's ``num_worker_threads``, so frames and heartbeats always find a thread. Calls are
 not ordered against frames (only frames are numbered).
 
