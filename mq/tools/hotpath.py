@@ -139,16 +139,17 @@ def callgrind(messages: int, payload: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=2000)
-    ap.add_argument("--payload", choices=sorted(PAYLOADS), default="dict")
+    ap.add_argument("--payload", choices=sorted(PAYLOADS), default=None,
+                    help="one payload (default: dict; with --callgrind: every payload)")
     ap.add_argument("--callgrind", action="store_true",
                     help="count instructions per message (two runs under valgrind) and print JSON")
     ap.add_argument("--small", type=int, default=200, help="with --callgrind: the smaller run")
     args = ap.parse_args()
     if not args.callgrind:
-        print(f"{run(args.messages, args.payload) * 1e6:.1f} us per message (send + recv, one process)")
+        print(f"{run(args.messages, args.payload or 'dict') * 1e6:.1f} us per message (send + recv, one process)")
         return
     results = {}
-    for payload in sorted(PAYLOADS):
+    for payload in [args.payload] if args.payload else sorted(PAYLOADS):
         lo, hi = callgrind(args.small, payload), callgrind(args.messages, payload)
         results[payload] = round((hi - lo) / (args.messages - args.small))
     print(json.dumps({"instructions_per_message": results, "messages": [args.small, args.messages],
