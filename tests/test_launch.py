@@ -477,3 +477,8 @@ def test_launch_api_takes_a_role_spec(capfd):
     mq.launch("tests.jobs.cluster:learn", n_workers=3, roles="learner:1,collector:*")
     out = capfd.readouterr().out
     assert '"node": 0, "labels": ["learner"]' in out and out.count('"labels": ["collector"]') == 2
+
+
+def test_the_inproc_type_cannot_be_launched_and_says_why():
+    with pytest.raises(mq.errors.ConfigError, match="cannot be launched .its nodes live in one process"):
+        make_plan("tests.jobs.roles:ok", n_workers=2, mq_type="inproc", check_network=False)
