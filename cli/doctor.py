@@ -93,6 +93,36 @@ def _gpus(me: Locality) -> dict[str, Any]:
     return {"count": len(devices), "devices": devices, "p2p_matrix": matrix}
 
 
+def _gpu_pairs(me: Locality, probe_cuda: bool) -> dict[str, Any]:
+    """Per GPU pair (i, j), i == j included: what decides the cuda_ipc route between a process on
+    GPU i and one on GPU j of this host (GPU.md, "Route rule"). NVML adds compute mode and MIG;
+    ``probe_cuda`` adds a two-process open of an mq pool (it spawns a process per pair)."""
+    from mq.tools import gpu_probe
+
+    gpus = {g.index: g for g in me.gpus}
+    if not gpus:
+        return {"count": 0, "pid_ns": me.pid_ns, "probed": False, "pairs": [], "note": "no GPU visible"}
+    nvml = {d["uuid"]: d for d in gpu_probe.nvml_devices() or ()}  # compute mode and MIG
+
+    def facts(g: Any) -> dict[str, Any]:
+        d = nvml.get(g.uuid, {})
+        return {"index": g.index, "uuid": g.uuid, "mig": d.get("mig", g.uuid.startswith("MIG-")),
+                "compute_mode": d.get("compute_mode")}
+
+    pairs = []
+    for i, gi in gpus.items():
+        for j, gj in gpus.items():
+            if j < i:
+                continue
+            pair: dict[str, Any] = {"pair": [i, j], "gpus": [facts(gi), facts(gj)], "same_gpu": i == j,
+                                    "p2p": None if i == j else [j in gi.p2p, i in gj.p2p],
+                                    "pool_open": None}
+            if probe_cuda:
+                pair["pool_open"] = _section(lambda: gpu_probe.pool_open(device=i, peer_device=j))
+            pairs.append(pair)
+    return {"count": len(gpus), "pid_ns": me.pid_ns, "probed": probe_cuda, "pairs": pairs}
+
+
 def _rdma(me: Locality) -> dict[str, Any]:
     return {
         "devices": me.to_dict()["rdma"],
@@ -137,10 +167,11 @@ def sample_peers(me: Locality) -> dict[str, Locality]:
     }
 
 
-def report(locality: Locality | None = None) -> dict[str, Any]:
+def report(locality: Locality | None = None, *, probe_cuda: bool = False) -> dict[str, Any]:
     """Everything ``mq doctor`` prints, as one JSON-safe dict.
 
-    Keys: node, container, fork_safety, rdma, gpus, torch, tensorpipe, pynng, shm, trust, routes.
+    Keys: node, container, fork_safety, rdma, gpus, gpu_pairs, torch, tensorpipe, pynng, shm,
+    trust, routes. ``probe_cuda`` opens an mq CUDA pool from a second process per GPU pair.
     Routes hold, per backend (``nng``, ``torchrpc``), the route to a sample local and remote peer;
     ``trust["torchrpc"]`` what torch RPC leaves open that mq cannot close.
     """
@@ -168,6 +199,7 @@ def report(locality: Locality | None = None) -> dict[str, Any]:
         "fork_safety": _section(lambda: forksafe.state(me)),
         "rdma": _section(lambda: _rdma(me)),
         "gpus": _section(lambda: _gpus(me)),
+        "gpu_pairs": _section(lambda: _gpu_pairs(me, probe_cuda)),
         "torch": _section(_torch),
         "tensorpipe": _section(lambda: _tensorpipe(me, {1: peers["local"], 2: peers["remote"]})),
         "pynng": _section(_pynng),
@@ -261,9 +293,41 @@ def _gpu_table(g: dict[str, Any]) -> Any:
     return table
 
 
+def _gpu_pairs_table(g: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    probed = " (pool opened by a second process)" if g["probed"] else " (mq doctor --probe-cuda: also open a pool)"
+    table = Table(title=f"GPU pairs for cuda_ipc, PID namespace {g['pid_ns']}{probed}", title_justify="left")
+    for col in ("pair", "UUIDs", "P2P i->j / j->i", "MIG", "compute mode", "pool open"):
+        table.add_column(col, overflow="fold")
+    for p in g["pairs"]:
+        a, b = p["gpus"]
+        p2p = "same GPU" if p["same_gpu"] else " / ".join("OK" if v else "[red]no[/red]" for v in p["p2p"])
+        mig = " / ".join("[red]on[/red]" if d["mig"] else "off" for d in p["gpus"])
+        modes = " / ".join(str(d["compute_mode"] or "?") for d in p["gpus"])
+        uuids = a["uuid"] if p["same_gpu"] else f"{a['uuid']}\n{b['uuid']}"
+        table.add_row(f"{p['pair'][0]}-{p['pair'][1]}", uuids, p2p, mig, modes, _pool_open_cell(p["pool_open"]))
+    if not g["pairs"]:
+        table.add_row("-", "no GPU visible", "", "", "", "")
+    return table
+
+
+def _pool_open_cell(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "-"
+    if r.get("ok"):
+        times = [f"{k.removesuffix('_ms').replace('_', ' ')} {v:.3g} ms" for k, v in r.items()
+                 if k.endswith("_ms") and isinstance(v, (int, float))]
+        return "ok" + (": " + ", ".join(times) if times else "")
+    from rich.markup import escape
+
+    why = escape(str(r.get("error")))
+    return f"[red]failed: {why}[/red]" if r.get("ok") is False else why
+
+
 #: The report's sections drawn one by one, each unless it could not be read.
 _SECTIONS = (("node", _node_tree), ("container", _container_tree), ("fork_safety", _fork_safety_tree),
-             ("rdma", _rdma_table), ("gpus", _gpu_table))
+             ("rdma", _rdma_table), ("gpus", _gpu_table), ("gpu_pairs", _gpu_pairs_table))
 
 
 def _software_table(rep: dict[str, Any]) -> Any:
@@ -326,9 +390,11 @@ def _routes_table(routes: dict[str, Any]) -> Any:
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def doctor(as_json: bool) -> None:
-    """Show what this node sees: container, fork safety, RDMA, GPUs, torch/TensorPipe, routes."""
-    rep = report()
+@click.option("--probe-cuda", is_flag=True,
+              help="Also open an mq CUDA pool from a second process for each GPU pair, timed (spawns processes).")
+def doctor(as_json: bool, probe_cuda: bool) -> None:
+    """Show what this node sees: container, fork safety, RDMA, GPUs and GPU pairs, torch/TensorPipe, routes."""
+    rep = report(probe_cuda=probe_cuda)
     if as_json:
         click.echo(json.dumps(rep, indent=2, sort_keys=True, default=str))
     else:
