@@ -44,9 +44,10 @@ _U32 = struct.Struct("<I")
 
 # Frame kinds. Data flows one way through them: the backend only looks at ``kind``.
 # RELAY (last) carries a message through another node, see mq.fanout.
-MSG, REQ, REP_OK, REP_ERR, HELLO, HELLO_ACK, SUBS, BYE, RELEASE, LINK, PING, RELAY = range(12)
+# GPU_POOL offers a CUDA pool to a peer and carries its verdict, see mq.gpu_path.
+MSG, REQ, REP_OK, REP_ERR, HELLO, HELLO_ACK, SUBS, BYE, RELEASE, LINK, PING, RELAY, GPU_POOL = range(13)
 KIND_NAMES = ("MSG", "REQ", "REP_OK", "REP_ERR", "HELLO", "HELLO_ACK", "SUBS", "BYE", "RELEASE", "LINK",
-              "PING", "RELAY")
+              "PING", "RELAY", "GPU_POOL")
 
 # msgpack extension codes of the payload tree.
 _EXT_TUPLE, _EXT_NDARRAY, _EXT_TENSOR, _EXT_PICKLE, _EXT_BYTES = 1, 2, 3, 4, 5
@@ -255,11 +256,12 @@ class Codec:
             raise EncodeError(f"cannot send a tensor of dtype {t.dtype}: not supported by mq")
         t = _prepare_tensor(t)
         on_cpu = t.device.type == "cpu"
-        if self.keep_tensors:
+        if self.keep_tensors or not on_cpu:
+            # CUDA tensors stay tensors: the sender picks per peer between a CUDA IPC descriptor
+            # and staging through host (Frame.staged; the receiver puts them back on the index).
             buffers.append(t)
         else:
-            # CUDA tensors are staged to host; the receiver puts them back on the same index.
-            buffers.append(_tensor_bytes(t if on_cpu else t.cpu()))
+            buffers.append(_tensor_bytes(t))
         meta = [dtype, list(t.shape), len(buffers) - 1, "cpu" if on_cpu else str(t.device)]
         return msgpack.ExtType(_EXT_TENSOR, msgpack.packb(meta))
 
@@ -319,7 +321,7 @@ class Codec:
             arr.flags.writeable = False  # a view of the sender's slot, maybe shared: copy to write
         return arr
 
-    def _unpack_tensor(self, data: bytes, buffers: Sequence[Any]) -> Any:
+    def _unpack_tensor(self, data: bytes, buffers: Sequence[Any], shared: Any = ()) -> Any:
         dtype_name, shape, index, device = msgpack.unpackb(data)
         _load_torch()
         dtype = _TORCH_DTYPES.get(dtype_name)
@@ -328,6 +330,9 @@ class Codec:
         if not isinstance(index, int) or not 0 <= index < len(buffers):
             raise ProtocolError(f"tensor refers to buffer {index!r}, frame has {len(buffers)}")
         buf = buffers[index]
+        if index in shared and _is_tensor(buf):  # a CUDA IPC view: raw bytes of the peer's slot
+            _check_size(shape, dtype.itemsize, buf.numel())
+            return buf.view(dtype).view(shape)
         if _is_tensor(buf):  # keep_tensors transports (torch RPC) deliver tensor objects
             if buf.dtype != dtype or list(buf.shape) != shape:
                 raise ProtocolError(f"tensor buffer {index} is {buf.dtype} {list(buf.shape)}, "
@@ -444,7 +449,7 @@ class _TreeReader:
         if code == _EXT_NDARRAY:
             return self.codec._unpack_ndarray(data, self.buffers, self.shared)
         if code == _EXT_TENSOR:
-            return self.codec._unpack_tensor(data, self.buffers)
+            return self.codec._unpack_tensor(data, self.buffers, self.shared)
         if code == _EXT_BYTES:
             return bytes(_buffer_at(self.buffers, msgpack.unpackb(data)))
         if code == _EXT_PICKLE:
@@ -525,7 +530,7 @@ class Frame:
     ``layout`` caches what a transport derived from the frame (publish lays out once).
     """
 
-    __slots__ = ("kind", "head", "header", "buffers", "sizes", "_offsets", "size", "nbytes", "layout")
+    __slots__ = ("kind", "head", "header", "buffers", "sizes", "_offsets", "size", "nbytes", "layout", "gpu")
 
     def __init__(self, kind: int, head: list[Any], buffers: list[Any], sizes: list[int]):
         self.kind = kind
@@ -545,6 +550,9 @@ class Frame:
         self._offsets = offsets
         self.size = offsets[-1] + sizes[-1] if sizes else 4 + len(self.header)
         self.nbytes = len(self.header) + inline  # header plus inline bytes: what crosses the transport
+        # Holds CUDA tensors: the sender must give each peer descriptors or a staged copy.
+        self.gpu = bool(buffers) and torch is not None and any(
+            type(b) is torch.Tensor and b.is_cuda for b in buffers)
 
     @classmethod
     def build(cls, kind: int, topic: str, sender: int, seq: int, corr: int, tree: bytes,
@@ -559,6 +567,16 @@ class Frame:
         buffers = [b"" if i in descs else b for i, b in enumerate(self.buffers)]
         head = self.head[:7] + [sizes, descs, self.head[9]]
         return Frame(self.kind, head, buffers, sizes)
+
+    def staged(self) -> "Frame":
+        """This frame with its CUDA tensors copied to host memory (one copy, cached: publish
+        stages once for all peers that need it)."""
+        out = self.layout.get("staged")
+        if out is None:
+            buffers = [_tensor_bytes(b.cpu()) if type(b) is torch.Tensor and b.is_cuda else b
+                       for b in self.buffers]
+            out = self.layout["staged"] = Frame(self.kind, self.head, buffers, self.sizes)
+        return out
 
     def write_into(self, out: memoryview) -> None:
         """The contiguous layout into ``out`` (exactly ``self.size`` writable bytes), padding

@@ -76,6 +76,10 @@ class MQ:
         shm_pool_bytes: bound of this node's pool (default: a quarter of RAM, at most 4 GiB);
             receivers holding every slot make senders wait (backpressure).
         shm_inline_max: buffers smaller than this stay inline in the frame (default 64 KiB).
+        cuda: use the cuda_ipc data path (route ``nvlink``) for CUDA tensors to same-host peers;
+            False stages them through host memory.
+        cuda_pool_bytes: bound of this node's pool on each GPU it sends from (default: a
+            sixteenth of the GPU's memory, at most 4 GiB); it is also the backpressure bound.
         queue_bytes: bound in bytes of each receive queue (messages of 64 KiB and more count;
             smaller ones are bounded by ``queue_size``); a full queue is backpressure.
         secret: the job secret peers must prove they know (default: ``MQ_SECRET``, else a
@@ -94,6 +98,7 @@ class MQ:
                  max_frame_bytes: int = 4 << 30, shm: bool = True,
                  shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES,
                  shm_inline_max: int = _shm.DEFAULT_INLINE_MAX, queue_bytes: int = 256 << 20,
+                 cuda: bool = True, cuda_pool_bytes: int | None = None,
                  secret: str | bytes | None = None, insecure: bool = False,
                  heartbeat: float = 1.0, peer_timeout: float = 4.0, mq_type: str | None = None,
                  relay_min_bytes: int | None = _fanout.DEFAULT_RELAY_MIN_BYTES, relay_shape: str = "tree"):
@@ -121,7 +126,9 @@ class MQ:
         # host_of(node_id), asked by every large publish: the descriptor's to_dict() cost ~60 us
         self._peers = peers = PeerTable(node_id, life, domain(self.locality.to_dict()))
         self._sender = sender = Sender(node_id, transport, self.codec, peers, life, stats, metrics,
-                                       shm=shm, shm_options=(shm_pool_bytes, shm_inline_max))
+                                       shm=shm, shm_options=(shm_pool_bytes, shm_inline_max),
+                                       cuda=cuda, cuda_pool_bytes=cuda_pool_bytes,
+                                       incarnation=self.incarnation)
         self._calls = calls = Calls(node_id, sender, peers, transport, self.codec, life, stats, refusals,
                                     handler_threads=handler_threads, timeout=self.timeout)
         self._liveness = liveness = Liveness(node_id, sender, peers, calls, life, heartbeat=self.heartbeat,
@@ -323,10 +330,11 @@ class MQ:
         self._liveness.flush(peer, timeout)
 
     # ------------------------------------------------------------------ shared buffers
-    def alloc(self, shape: Any, dtype: Any = "float32") -> Any:
+    def alloc(self, shape: Any, dtype: Any = "float32", device: Any = None) -> Any:
         """A numpy array (numpy dtype) or torch tensor (torch dtype) in this node's
-        shared-memory pool. Sending it to same-host peers passes a handle (no copy: the cost
-        does not depend on its size); to other peers it is sent like any array.
+        shared-memory pool, or with ``device="cuda:N"`` a tensor in its CUDA pool on that GPU.
+        Sending it to same-host peers passes a handle (no copy: the cost does not depend on
+        its size); to other peers it is sent like any array.
 
         Ownership: receivers get views of this very memory. Write it again only after
         :meth:`wait_released`; until then the numpy array is read-only (torch tensors cannot
@@ -334,9 +342,15 @@ class MQ:
 
         Raises:
             ConfigError: the pool is not available (the reason is in ``shm_unavailable``), or a
-                bad shape/dtype.
+                bad shape/dtype/device.
         """
-        return self._sender.need_pool().alloc(shape, dtype)
+        index = _cuda_index(device)
+        if index is None:
+            return self._sender.need_pool().alloc(shape, dtype)
+        try:
+            return self._sender.gpu.pool_for(index).alloc(shape, dtype)
+        except MQError as exc:
+            raise ConfigError(str(exc)) from None
 
     def wait_released(self, buf: Any, timeout: float | None = None) -> None:
         """Block until every receiver dropped its view of ``buf`` (from :meth:`alloc`).
@@ -344,7 +358,13 @@ class MQ:
         Raises:
             Timeout: a receiver still holds it after ``timeout`` seconds.
         """
-        pool = self._sender.need_pool()
+        if getattr(buf, "is_cuda", False):
+            try:
+                pool: Any = self._sender.gpu.pool_of(buf)
+            except MQError as exc:
+                raise ConfigError(str(exc)) from None
+        else:
+            pool = self._sender.need_pool()
         timeout = self._timeout(timeout)
         deadline = time.monotonic() + timeout
         if pool.holders_of(buf):  # (raises ConfigError for a buffer not from alloc())
@@ -451,6 +471,7 @@ class MQ:
         fan-out's (``relay``)."""
         if self._sender.pool is not None:
             self._stats.shm = self._sender.pool_stats()
+        self._stats.cuda = self._sender.gpu_stats()
         self._stats.relay = dict(self._fanout.stats)
         return self._stats
 
@@ -496,6 +517,21 @@ def _seconds(value: Any, name: str) -> float:
 def _check_topic(topic: Any) -> None:
     if not isinstance(topic, str) or not topic:
         raise ConfigError(f"topic must be a non-empty str, got {topic!r}")
+
+
+def _cuda_index(device: Any) -> int | None:
+    """None for host memory, else the CUDA device index ``device`` names."""
+    if device is None or device == "cpu" or getattr(device, "type", None) == "cpu":
+        return None
+    text = str(device)
+    if text == "cuda":
+        import torch
+
+        return torch.cuda.current_device()
+    head, _, index = text.partition(":")
+    if head != "cuda" or not index.isdigit():
+        raise ConfigError(f"device must be None, 'cpu' or 'cuda:N', got {device!r}")
+    return int(index)
 
 
 def _check_options(node_id: Any, labels: Any, queue_size: Any, timeout: Any, max_frame_bytes: Any,

@@ -8,7 +8,8 @@ that peer's pool) and switches on its kind::
     transport I/O thread -> Dispatch.on_frame -> codec.decode -> admission
         HELLO/HELLO_ACK/LINK -> Join          MSG -> Delivery (queues | handler thread)
         REQ -> Calls (pool)   REP -> Calls    PING/BYE -> Liveness   SUBS -> PeerTable
-        RELEASE -> Sender (our pool)          RELAY -> Fanout
+        RELEASE -> Sender (our pools)         RELAY -> Fanout
+        GPU_POOL -> Sender's GpuPath (CUDA pool offers and verdicts)
     a link not trusted yet -> Dispatch.on_handshake -> mq.handshake.parse -> Join, only
 
 It never runs user code on an I/O thread (``on_request`` runs a call handler on the
@@ -24,8 +25,9 @@ from typing import Any, Callable
 
 from mq import handshake as _handshake
 from mq.calls import Calls
-from mq.codec import (BYE, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELAY, RELEASE, REP_ERR,
+from mq.codec import (BYE, GPU_POOL, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELAY, RELEASE, REP_ERR,
                       REP_OK, REQ, SUBS, Codec, Envelope, Frame, buffer_nbytes)
+from mq.cuda_ipc import TAG as CUDA_TAG
 from mq.delivery import Delivery
 from mq.errors import ProtocolError
 from mq.fanout import Fanout
@@ -208,13 +210,20 @@ class Dispatch:
             self._liveness.on_ping(env)
         elif kind == RELAY:
             self._fanout.on_frame(env)
+        elif kind == GPU_POOL:
+            self._sender.gpu.on_frame(env.sender, env.payload)
         elif kind == BYE:
             self._liveness.on_bye(env)
 
-    def _resolve_for(self, link: Any) -> Callable[[int, Any], memoryview]:
-        def resolve(sender: int, desc: Any) -> memoryview:
-            # Descriptors only from the authenticated peer of this link, into its own pool.
+    def _resolve_for(self, link: Any) -> Callable[[int, Any], Any]:
+        def resolve(sender: int, desc: Any) -> Any:
+            # Descriptors only from the authenticated peer of this link, into its own pools.
             p = self._peer_of.get(self._links.get(link, -1))
+            if type(desc) is list and desc and desc[0] == CUDA_TAG:
+                if p is None or p.node_id != sender or p.gpu_reader is None:
+                    raise ProtocolError(f"a CUDA descriptor claiming node {sender} on a link whose "
+                                        "peer never offered a CUDA pool here")
+                return p.gpu_reader.view(desc)
             if p is None or p.node_id != sender or p.reader is None:
                 raise ProtocolError(f"a shared-memory descriptor claiming node {sender} on a link "
                                     "without a shm route")

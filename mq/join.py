@@ -306,6 +306,8 @@ class Join:
         # pid AND its PID namespace: two "hosts" (namespaces) on one machine reuse small pids.
         same_process = remote.pid == here.pid and remote.boot_id == here.boot_id and remote.pid_ns == here.pid_ns
         supported = set(self._transport.routes)
+        if not self._sender.gpu.enabled:
+            supported.discard("nvlink")
         reader, why_not = self._open_reader(peer_id, info, same_process)
         if reader is not None:
             supported.add("shm")

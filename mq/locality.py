@@ -77,12 +77,14 @@ class GpuInfo:
         uuid: the driver's UUID (``GPU-...``); identifies the physical device across processes.
         name: the marketing name, for humans.
         p2p: logical indices (in this process's view) this GPU can read peer to peer.
+        mig: the GPU runs in MIG mode (or is a MIG instance): no CUDA IPC there.
     """
 
     index: int
     uuid: str
     name: str = ""
     p2p: tuple[int, ...] = ()
+    mig: bool = False
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ def _gpu_from(value: Any, path: str) -> GpuInfo:
         uuid=_check(d["uuid"], str, f"{path}.uuid"),
         name=_get(d, "name", str, "", path),
         p2p=tuple(_check(x, int, f"{path}.p2p[{i}]") for i, x in enumerate(_seq(d, "p2p", path))),
+        mig=_get(d, "mig", bool, False, path),
     )
 
 
@@ -593,6 +596,7 @@ def _probe_nvml(environ: Mapping[str, str]) -> tuple[GpuInfo, ...] | None:
                     uuid=uuids[phys],
                     name=_text(pynvml.nvmlDeviceGetName(handles[phys])),
                     p2p=tuple(p2p),
+                    mig=_nvml_mig(pynvml, handles[phys]) or uuids[phys].startswith("MIG-"),
                 )
             )
         return tuple(gpus)
@@ -603,6 +607,14 @@ def _probe_nvml(environ: Mapping[str, str]) -> tuple[GpuInfo, ...] | None:
             pynvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def _nvml_mig(pynvml: Any, handle: Any) -> bool:
+    try:
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+    except Exception:  # not a MIG-capable GPU, or an old driver
+        return False
+    return current == getattr(pynvml, "NVML_DEVICE_MIG_ENABLE", 1)
 
 
 def _text(value: Any) -> str:
@@ -624,7 +636,8 @@ def _probe_torch() -> tuple[GpuInfo, ...]:
             uuid = getattr(props, "uuid", None)
             uuid_text = f"GPU-{uuid}" if uuid is not None else f"torch-cuda:{i}"
             p2p = tuple(j for j in range(n) if j != i and torch.cuda.can_device_access_peer(i, j))
-            gpus.append(GpuInfo(index=i, uuid=uuid_text, name=props.name, p2p=p2p))
+            gpus.append(GpuInfo(index=i, uuid=uuid_text, name=props.name, p2p=p2p,
+                                mig=uuid_text.startswith("GPU-MIG-")))
         return tuple(gpus)
     except Exception:
         return ()

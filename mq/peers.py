@@ -38,6 +38,7 @@ class Peer:
     lost: str | None = None  # why the peer is gone (None while it is alive)
     reader: _shm.PoolReader | None = None  # its pool, opened here (we receive by descriptor)
     shm_out: bool = False  # it opened our pool: we may send it descriptors
+    gpu_reader: Any = None  # its CUDA pools, opened here (mq.cuda_ipc.PeerPools; route nvlink)
     max_frame_bytes: int | None = None  # the largest frame it accepts (from its HELLO)
     tx: int = 0  # counted frames sent to it
     rx: int = 0  # counted frames received from it

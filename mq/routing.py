@@ -8,8 +8,8 @@ compares ours with a peer's and returns the fastest route both sides can use, in
 route      viable when                                         GPU payloads
 =========  ==================================================  =================================
 inproc     same process (boot id, pid and PID namespace)       handed over, no copy
-nvlink     (GPU only) shm is viable, both sides see a GPU pair CUDA IPC, device to device
-           with P2P access, and not across containers
+nvlink     (GPU only) same boot id and PID namespace, no    CUDA IPC, device to device
+           MIG, the same GPU or a pair with P2P access
 shm        same boot id and IPC namespace                      staged through host shared memory
 ipc        same boot id, network and mount namespace           staged through host, unix socket
            (the socket path must be visible to both)
@@ -59,10 +59,12 @@ __all__ = [
 ROUTE_KINDS: tuple[str, ...] = ("inproc", "nvlink", "shm", "ipc", "rdma", "tcp")
 ALL_ROUTES: frozenset[str] = frozenset(ROUTE_KINDS)
 
-#: What each transport carries by itself. The shm data path (:mod:`mq.shm`) adds ``shm`` to
-#: any of them where this node's pool works and the peer can open it; else NNG uses ``ipc``.
+#: What each transport carries. The shm data path (:mod:`mq.shm`) adds ``shm`` to any of them
+#: where this node's pool works and the peer can open it; else NNG uses ``ipc``. ``nvlink`` is
+#: mq's cuda_ipc path (:mod:`mq.gpu_path`), whose descriptors any transport carries (off with
+#: ``cuda=False``; torchrpc:cpu stages GPU tensors by definition).
 BACKEND_ROUTES: Mapping[str, frozenset[str]] = {
-    "nng": frozenset({"inproc", "ipc", "tcp"}),
+    "nng": frozenset({"inproc", "nvlink", "ipc", "tcp"}),
     "torchrpc": ALL_ROUTES,
 }
 
@@ -176,16 +178,22 @@ def p2p_pair(a: Locality, b: Locality) -> tuple[str, str] | None:
 
 
 def _nvlink(p: _Pair) -> tuple[bool, str]:
-    ok, why = _shm(p)
-    if not ok:
+    """CUDA IPC (GPU.md): one kernel, one PID namespace (the driver refuses handles across
+    PID namespaces, whatever the IPC namespace), no MIG, and a GPU pair the two can share."""
+    why = p.host_why()
+    if why:
         return False, why
+    if not known_same(p.a.pid_ns, p.b.pid_ns):
+        reason = "same host but different PID namespace: CUDA IPC refuses handles across them"
+        containers = across_containers(p.a, p.b)
+        return False, f"{reason} ({containers})" if containers else reason
     if not p.a.gpus:
         return False, "no GPU on this node"
     if not p.b.gpus:
         return False, "no GPU on the peer"
-    why = across_containers(p.a, p.b)
-    if why:
-        return False, why
+    mig = [g.uuid for g in (*p.a.gpus, *p.b.gpus) if g.mig]
+    if mig:
+        return False, f"MIG on {mig[0]}: no CUDA IPC with MIG"
     pair = p2p_pair(p.a, p.b)
     if pair is None:
         return False, "no GPU pair with peer-to-peer access between the two processes"

@@ -5,7 +5,10 @@ RELEASE frames that give a peer's slots back), and the choice per peer and per b
 inline bytes and a shm descriptor. Data flows one way::
 
     facade / calls / join / liveness / fan-out -> Sender.encode -> Sender.deliver_to
-        -> data path per peer (inline | one shm copy, descriptors) -> transport.send
+        -> data path per peer and buffer -> transport.send
+           CPU buffers: inline | one shm copy, descriptors (mq.shm)
+           GPU buffers: one device copy, CUDA IPC descriptors (route nvlink, mq.gpu_path)
+                        | staged through host once, then as CPU buffers
 
 Counts what it sends (``Stats.sent``, per-peer ``tx``/``last_sent``, per-topic metrics); reads
 the peer table, never changes who is a peer.
@@ -21,7 +24,8 @@ from typing import Any, Callable
 
 from mq import metrics as _metrics
 from mq import shm as _shm
-from mq.codec import MSG, RELAY, REP_ERR, REP_OK, REQ, RELEASE, Codec, Frame
+from mq.codec import GPU_POOL, MSG, RELAY, REP_ERR, REP_OK, REQ, RELEASE, Codec, Frame
+from mq.gpu_path import GpuPath, cuda_buffers
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
 from mq.lifecycle import Lifecycle
 from mq.peers import Peer, PeerTable
@@ -40,11 +44,13 @@ class Sender:
     Args:
         shm_options: ``(pool_bytes, inline_max)`` of the pool :meth:`open_pool` makes.
         shm: whether to make one at all (``shm_unavailable`` says why not).
+        cuda, cuda_pool_bytes, incarnation: the cuda_ipc path's (:class:`~mq.gpu_path.GpuPath`).
     """
 
     def __init__(self, node_id: int, transport: Transport, codec: Codec, peers: PeerTable,
                  life: Lifecycle, stats: Stats, metrics: _metrics.Metrics, *,
-                 shm: bool, shm_options: tuple[int, int]):
+                 shm: bool, shm_options: tuple[int, int], cuda: bool = True,
+                 cuda_pool_bytes: int | None = None, incarnation: str = ""):
         _shm.Pool.check_options(*shm_options)
         self.node_id = node_id
         self._transport = transport
@@ -62,6 +68,10 @@ class Sender:
         self.shm_unavailable: str | None = None if shm else "turned off (shm=False)"
         self._releases = _shm.ReleaseQueue()
         self._releaser: threading.Thread | None = None
+        # Transports that carry tensors themselves (torch RPC) stage or map GPU tensors their way.
+        self._stages_gpu = not transport.keeps_tensors
+        self.gpu = GpuPath(node_id, peers, self._send_gpu_pool, self._gpu_released, enabled=cuda,
+                           pool_bytes=cuda_pool_bytes, incarnation=incarnation)
 
     # ------------------------------------------------------------------ frames
     def encode(self, kind: int, topic: str, payload: Any, corr: int = 0) -> Frame:
@@ -88,7 +98,8 @@ class Sender:
         """Send one frame to ``peers`` through each one's data path, then wait for every
         receipt together (a transfer from the caller's memory must finish before we return).
         A peer the frame never reached gives back its slot references at once."""
-        if len(peers) == 1 and (self.pool is None or not frame.sizes or not self.pool.wants(max(frame.sizes))):
+        if len(peers) == 1 and not frame.gpu and (
+                self.pool is None or not frame.sizes or not self.pool.wants(max(frame.sizes))):
             # One peer, every buffer inline: the common small message.
             receipt = self._send_checked(peers[0], frame, max(0.0, deadline - time.monotonic()))
             if frame.kind == MSG:
@@ -96,14 +107,15 @@ class Sender:
             if receipt is not None:
                 receipt()
             return
-        frames, descs, shm_peers = self._data_paths(peers, frame, deadline)
+        held = _Held(self)
+        frames = self._data_paths(peers, frame, deadline, held)
         receipts: list[Receipt] = []
         try:
             for n, peer in enumerate(peers):
                 try:
                     receipt = self._send_checked(peer, frames[peer], max(0.0, deadline - time.monotonic()))
                 except BaseException:
-                    self._unhold(descs, [p for p in peers[n:] if p in shm_peers])
+                    held.give_back(peers[n:])
                     raise
                 if receipt is not None:
                     receipts.append(receipt)
@@ -119,35 +131,46 @@ class Sender:
         if errors:
             raise errors[0]
 
-    def _data_paths(self, peers: list[int], frame: Frame,
-                    deadline: float) -> tuple[dict[int, Frame], dict[int, list[int]], list[int]]:
-        """The frame each peer gets: large CPU buffers go by shm descriptor to peers that read
-        our pool (one copy shared by all of them), inline to the others."""
+    def _data_paths(self, peers: list[int], frame: Frame, deadline: float, held: "_Held") -> dict[int, Frame]:
+        """The frame each peer gets. GPU buffers go by CUDA IPC descriptor to ``nvlink`` peers
+        that opened our pool (one device copy shared by all of them), staged through host to
+        the others (one host copy, unless the transport carries tensors itself). Large CPU
+        buffers, staged ones too, go by shm descriptor to peers that read our pool (one copy
+        shared by all of them), inline to the others."""
+        gpu_peers: list[int] = []
+        if frame.gpu:
+            gpu_peers, held.gpu = self.gpu.place(peers, frame.buffers, frame.sizes, deadline)
+            held.gpu_peers = gpu_peers
+        others = [p for p in peers if p not in gpu_peers]
+        host = frame.staged() if frame.gpu and others and self._stages_gpu else frame
         pool = self.pool
-        big = [i for i, n in enumerate(frame.sizes)
-               if pool is not None and pool.wants(n) and _on_cpu(frame.buffers[i])]
-        shm_peers = [p for p in peers if getattr(self._peer_get(p), "shm_out", False)] if big else []
-        frames = dict.fromkeys(peers, frame)
-        if not shm_peers:
-            return frames, {}, []
-        assert pool is not None
-        descs: dict[int, list[int]] = {}
+        shm_peers = [p for p in peers if getattr(self._peer_get(p), "shm_out", False)] if pool is not None else []
+        cpu_descs: dict[int, list[int]] = {}
+        staged_descs: dict[int, list[int]] = {}
         try:
-            for i in big:
-                descs[i] = pool.place(frame.buffers[i], shm_peers, max(0.0, deadline - time.monotonic()))
+            if shm_peers:
+                assert pool is not None
+                cpu_big = [i for i, n in enumerate(frame.sizes) if pool.wants(n) and _on_cpu(frame.buffers[i])]
+                cpu_descs = held.place_shm(cpu_big, frame, shm_peers, deadline)
+                staged_peers = [p for p in shm_peers if p in others] if host is not frame else []
+                if staged_peers:
+                    staged = [i for i in cuda_buffers(frame.buffers, frame.sizes) if pool.wants(host.sizes[i])]
+                    staged_descs = held.place_shm(staged, host, staged_peers, deadline)
         except BaseException:
-            self._unhold(descs, shm_peers)
+            held.give_back(peers)
             raise
-        shared = frame.with_descriptors(descs)
-        frames.update(dict.fromkeys(shm_peers, shared))
-        return frames, descs, shm_peers
-
-    def _unhold(self, descs: dict[int, list[int]], peers: list[int]) -> None:
-        """The frame never reached ``peers``: give back the slot references held for them."""
-        assert self.pool is not None
-        for seg_id, _fd, gen, _off, _n in descs.values():
-            for peer in peers:
-                self.pool.release(peer, seg_id, gen)
+        frames: dict[int, Frame] = {}
+        made: dict[tuple[bool, bool], Frame] = {}  # (gets CUDA descriptors, reads our pool) -> frame
+        for p in peers:
+            key = (p in gpu_peers, p in shm_peers)
+            f = made.get(key)
+            if f is None:
+                shm_descs = ({**cpu_descs} if key[0] else {**cpu_descs, **staged_descs}) if key[1] else {}
+                descs = {**held.gpu, **shm_descs} if key[0] else shm_descs
+                base = frame if key[0] else host
+                f = made[key] = base.with_descriptors(descs) if descs else base
+            frames[p] = f
+        return frames
 
     def checked_peer(self, peer: int, frame: Frame, what: str = "send") -> Peer:
         """The live peer ``peer`` if ``frame`` may go to it now; raises why not."""
@@ -183,14 +206,14 @@ class Sender:
 
     # ------------------------------------------------------------------ the pool
     def open_pool(self) -> None:
-        """Make this node's pool (when wanted) and start returning peers' slots."""
-        if not self._shm_wanted:
-            return
-        try:
-            self.pool = _shm.Pool(*self._shm_options, label=str(self.node_id))
-        except OSError as exc:  # e.g. no memfd, or no memory for the probe: sockets only
-            self.shm_unavailable = f"cannot make a shared-memory pool here ({exc})"
-            log.warning("node %d: %s; same-host peers use a socket", self.node_id, self.shm_unavailable)
+        """Make this node's pool (when wanted) and start returning peers' slots (shm and CUDA)."""
+        if self._shm_wanted:
+            try:
+                self.pool = _shm.Pool(*self._shm_options, label=str(self.node_id))
+            except OSError as exc:  # e.g. no memfd, or no memory for the probe: sockets only
+                self.shm_unavailable = f"cannot make a shared-memory pool here ({exc})"
+                log.warning("node %d: %s; same-host peers use a socket", self.node_id, self.shm_unavailable)
+        if self.pool is None and not self.gpu.enabled:
             return
         self._releaser = threading.Thread(target=self._release_loop, daemon=True,
                                           name=f"mq{self.node_id}-shm-release")
@@ -207,19 +230,32 @@ class Sender:
         put = self._releases.put
         return lambda seg_id, gen: put(peer, seg_id, gen)
 
+    def _send_gpu_pool(self, peer: int, payload: Any, timeout: float) -> None:
+        self.send_control(peer, GPU_POOL, payload, timeout)
+
+    def _gpu_released(self, peer: int, pool_id: int, slot_id: int, event: Any) -> None:
+        """A view of ``peer``'s CUDA slot is gone here (from garbage collection)."""
+        self._releases.put(peer, ("cuda", pool_id), slot_id, event)
+
     def on_release(self, peer: int, items: Any) -> None:
         """``peer``'s RELEASE frame: its views of our slots are gone."""
-        if self.pool is not None and isinstance(items, list):
-            for item in items:
-                if isinstance(item, list) and len(item) == 3:
-                    self.pool.release(peer, *item)
+        if not isinstance(items, list):
+            return
+        for item in items:
+            if not isinstance(item, list):
+                continue
+            if len(item) == 3 and self.pool is not None:
+                self.pool.release(peer, *item)
+            elif len(item) == 4 and item[0] == "cuda":
+                self.gpu.on_release(peer, *item[1:])
 
     def forget(self, peer: Peer, _why: str = "") -> None:
-        """``peer`` is gone: its slots in our pool are free, its pool is closed here."""
+        """``peer`` is gone: its slots in our pools are free, its pools are closed here."""
         if self.pool is not None:
             self.pool.peer_gone(peer.node_id)
         if peer.reader is not None:
             peer.reader.close()
+        self.gpu.forget(peer)
 
     def disconnect(self, peer: Peer, _why: str = "") -> None:
         """``peer`` is gone: close its link, so every send blocked on it returns now. Not from
@@ -240,9 +276,18 @@ class Sender:
         return dict(self.pool.stats, peers_mapped_bytes=sum(r.mapped_bytes for r in readers),
                     descriptors_refused=sum(r.refused for r in readers))
 
+    def gpu_stats(self) -> dict[str, int]:
+        """The cuda_ipc path's counters (empty while it was never used)."""
+        used = self.gpu.pools or any(p.gpu_reader is not None for p in self._peers.list())
+        return self.gpu.summary() if used else {}
+
     def close(self) -> None:
         """After the transport closed: wake the releaser, close the pools."""
         self._releases.wake()
+        self.gpu.close()
+        for p in self._peers.list():
+            if p.gpu_reader is not None:
+                p.gpu_reader.close()
         readers = [p.reader for p in self._peers.list() if p.reader is not None]
         for reader in readers:
             reader.close()
@@ -260,6 +305,36 @@ class Sender:
                     self.send_control(peer, RELEASE, items, 1.0)
                 except MQError as exc:
                     log.debug("node %d: release to node %d: %s", self.node_id, peer, exc)
+
+
+class _Held:
+    """The slots one frame holds for its peers, given back to the peers it never reached."""
+
+    def __init__(self, sender: Sender):
+        self._sender = sender
+        self.gpu: dict[int, list[Any]] = {}  # buffer index -> CUDA descriptor
+        self.gpu_peers: list[int] = []
+        self._shm: list[tuple[dict[int, list[int]], list[int]]] = []  # (descriptors, their holders)
+
+    def place_shm(self, indices: list[int], frame: Frame, peers: list[int], deadline: float) -> dict[int, list[int]]:
+        pool = self._sender.pool
+        assert pool is not None
+        descs: dict[int, list[int]] = {}
+        self._shm.append((descs, peers))
+        for i in indices:
+            descs[i] = pool.place(frame.buffers[i], peers, max(0.0, deadline - time.monotonic()))
+        return descs
+
+    def give_back(self, peers: list[int]) -> None:
+        """The frame never reached ``peers``: give back the slot references held for them."""
+        pool = self._sender.pool
+        for descs, holders in self._shm:
+            for seg_id, _fd, gen, _off, _n in descs.values():
+                for peer in peers:
+                    if pool is not None and peer in holders:
+                        pool.release(peer, seg_id, gen)
+        if self.gpu:
+            self._sender.gpu.unhold(self.gpu, [p for p in peers if p in self.gpu_peers])
 
 
 def _on_cpu(buf: Any) -> bool:

@@ -626,32 +626,42 @@ class PoolReader:
 
 class ReleaseQueue:
     """Collects releases from garbage collection (any thread, any moment) without locks, and
-    hands them out in batches per peer."""
+    hands them out in batches per peer. A CUDA view's release carries an event recorded on the
+    stream of the thread that dropped it: :meth:`take` waits for it (the receiver's GPU work on
+    the view is done) before the slot is handed back."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
 
-    def put(self, peer: int, seg_id: int, gen: int) -> None:
-        self._q.put((peer, seg_id, gen))
+    def put(self, peer: int, seg_id: Any, gen: int, event: Any = None) -> None:
+        """``seg_id``: a shm segment id, or ``("cuda", pool id)`` with ``gen`` the slot id."""
+        self._q.put((peer, seg_id, gen, event))
 
-    def take(self, timeout: float) -> dict[int, list[list[int]]]:
-        """Releases by peer as ``[[seg_id, gen, count], ...]``; waits up to ``timeout`` for one."""
+    def take(self, timeout: float) -> dict[int, list[list[Any]]]:
+        """Releases by peer as ``[[seg_id, gen, count], ...]`` (shm) and ``["cuda", pool,
+        slot, count]`` (CUDA); waits up to ``timeout`` for one."""
         try:
             first = self._q.get(timeout=timeout)
         except queue.Empty:
             return {}
-        counts: dict[tuple[int, int, int], int] = {}
+        counts: dict[tuple[int, Any, int], int] = {}
+        events = []
         item = first
         while True:
             if item is not None:
-                counts[item] = counts.get(item, 0) + 1
+                peer, seg_id, gen, event = item
+                counts[peer, seg_id, gen] = counts.get((peer, seg_id, gen), 0) + 1
+                if event is not None:
+                    events.append(event)
             try:
                 item = self._q.get_nowait()
             except queue.Empty:
                 break
-        out: dict[int, list[list[int]]] = {}
+        for event in events:
+            event.synchronize()
+        out: dict[int, list[list[Any]]] = {}
         for (peer, seg_id, gen), n in counts.items():
-            out.setdefault(peer, []).append([seg_id, gen, n])
+            out.setdefault(peer, []).append([*seg_id, gen, n] if type(seg_id) is tuple else [seg_id, gen, n])
         return out
 
     def wake(self) -> None:

@@ -221,11 +221,46 @@ def test_old_peer_descriptor_still_routes():
 # --- backend subsets ----------------------------------------------------------------------------
 
 
-def test_nng_uses_ipc_where_the_table_says_shm():
+def test_nng_uses_ipc_where_the_table_says_shm_and_nvlink_for_gpu_payloads():
+    # nvlink is mq's own cuda_ipc path: its descriptors ride any transport, NNG's too.
     r = both_ways(node(gpus=TWO_GPUS_P2P), node(pid=200, gpus=TWO_GPUS_P2P), supported=NNG)
-    assert (r.kind, r.gpu) == ("ipc", "ipc")
+    assert (r.kind, r.gpu) == ("ipc", "nvlink")
     assert "not shm: the backend does not support it" in r.reason
+    r = both_ways(node(gpus=TWO_GPUS_P2P), node(pid=200, gpus=TWO_GPUS_P2P), supported=NNG - {"nvlink"})
+    assert (r.kind, r.gpu) == ("ipc", "ipc")
     assert "not nvlink: the backend does not support it" in r.reason
+
+
+# --- the nvlink rule of GPU.md ------------------------------------------------------------------
+
+
+def test_nvlink_needs_the_same_pid_namespace_not_the_same_ipc_namespace():
+    other_pid_ns = both_ways(node(gpus=TWO_GPUS_P2P), node(pid=200, pid_ns="pid:[4026532999]", gpus=TWO_GPUS_P2P))
+    assert (other_pid_ns.kind, other_pid_ns.gpu) == ("shm", "shm")
+    assert "different PID namespace" in other_pid_ns.reason
+    other_ipc_ns = both_ways(node(gpus=TWO_GPUS_P2P), node(pid=200, ipc_ns="ipc:[4026532999]", gpus=TWO_GPUS_P2P))
+    assert other_ipc_ns.gpu == "nvlink" and other_ipc_ns.kind != "shm"
+
+
+def test_nvlink_is_refused_with_mig():
+    mig = (GpuInfo(0, GPU_A, H100, (), mig=True),)
+    r = both_ways(node(gpus=mig), node(pid=200, gpus=mig))
+    assert (r.kind, r.gpu) == ("shm", "shm")
+    assert "MIG" in r.reason
+
+
+def test_nvlink_needs_a_gpu_on_both_sides_and_a_shared_or_p2p_pair():
+    assert both_ways(node(gpus=TWO_GPUS_P2P), node(pid=200)).gpu == "shm"
+    one_a, one_b = (GpuInfo(0, GPU_A, H100, ()),), (GpuInfo(0, GPU_B, H100, ()),)
+    r = both_ways(node(gpus=one_a), node(pid=200, gpus=one_b))
+    assert r.gpu == "shm" and "peer-to-peer" in r.reason
+    assert both_ways(node(gpus=one_a), node(pid=200, gpus=one_a)).gpu == "nvlink"
+
+
+def test_mig_survives_the_locality_round_trip():
+    loc = node(gpus=(GpuInfo(0, GPU_A, H100, (), mig=True),))
+    assert Locality.from_dict(loc.to_dict()).gpus[0].mig is True
+    assert Locality.from_dict({**loc.to_dict(), "gpus": [{"index": 0, "uuid": GPU_A}]}).gpus[0].mig is False
 
 
 def test_nng_same_process_is_inproc():
@@ -333,7 +368,9 @@ def test_tensorpipe_cuda_channels():
     me = node(gpus=TWO_GPUS_P2P, rdma=rdma("active"))
     peers = {1: node(pid=200, gpus=TWO_GPUS_P2P), 2: node(boot_id=BOOT_B, gpus=TWO_GPUS_P2P, rdma=rdma("active"))}
     opts = tensorpipe_options(me, peers, cuda=True)
-    assert opts["_channels"] == ["cuda_ipc", "cuda_gdr", "cuda_basic", "cma", "mpt_uv", "basic"]
+    # Same-host GPU tensors take mq's cuda_ipc path: never TensorPipe's cuda_ipc channel (GPU.md).
+    assert opts["_channels"] == ["cuda_gdr", "cuda_basic", "cma", "mpt_uv", "basic"]
+    assert "mq's cuda_ipc path" in opts["dropped"]["cuda_ipc"]
     assert opts["_transports"] == ["shm", "ibv", "uv"]
     cpu = tensorpipe_options(me, peers, cuda=False)
     assert not any(c.startswith("cuda") for c in cpu["_channels"])
@@ -343,7 +380,7 @@ def test_tensorpipe_no_cuda_ipc_across_containers_and_no_gdr_without_rdma():
     me = docker(ID_1, 1, gpus=TWO_GPUS_P2P)
     peers = {1: docker(ID_2, 2, gpus=TWO_GPUS_P2P), 2: node(boot_id=BOOT_B, gpus=TWO_GPUS_P2P)}
     opts = tensorpipe_options(me, peers, cuda=True)
-    assert "cuda_ipc" not in opts["_channels"] and "across containers" in opts["dropped"]["cuda_ipc"]
+    assert "cuda_ipc" not in opts["_channels"]
     assert "cuda_gdr" not in opts["_channels"]
     assert "cuda_basic" in opts["_channels"]
 

@@ -440,3 +440,31 @@ def launch_main(ctx: mq.Context) -> None:
             f.write(f"{ctx.mq_type} {m.sender} {sorted(q.peers())}")
         q.wait_for_subscribers("done", n - 1, timeout=20)
         q.publish("done", ctx.node_id)
+
+
+def cuda_roundtrip(node_id: int, world_size: int, init_method: str) -> Any:
+    """torchrpc:cuda on one GPU (tests/test_cuda.py): node 0 calls node 1's echo with GPU, CPU
+    and mixed payloads; same-host GPU tensors must take mq's descriptors, not TensorPipe."""
+    with _create(node_id, world_size, init_method, mq_type="torchrpc:cuda", local_cuda_devices=[0],
+                 cuda_pool_bytes=64 << 20, timeout=60.0) as q:
+        q.wait_for_peers(world_size - 1, timeout=60)
+        other = 1 - node_id
+        res: dict[str, Any] = {"route": q.routes()[other].gpu, "reason": q.routes()[other].reason,
+                               "channels": list(q.transport.tp_options.get("_channels") or [])}
+        if node_id == 1:
+            q.on("echo", lambda x: x)
+            q.subscribe("done")
+            q.recv(timeout=120)
+        else:
+            q.wait_for_subscribers("done", 1, timeout=60)
+            sent = {"gpu": torch.randn(1 << 20, device="cuda:0"),
+                    "bf16": torch.randn(999, device="cuda:0").bfloat16(),
+                    "strided": torch.randn(64, 32, device="cuda:0").t(),
+                    "cpu": torch.arange(100_000), "np": np.arange(50_000), "meta": {"step": 3}}
+            back = q.call(1, "echo", sent, timeout=120)
+            res["ok"] = all(torch.equal(back[k].cpu(), sent[k].cpu()) for k in ("gpu", "bf16", "strided", "cpu"))
+            res["mixed_ok"] = (back["gpu"].is_cuda and back["cpu"].device.type == "cpu"
+                               and bool((back["np"] == sent["np"]).all()) and back["meta"] == {"step": 3})
+            q.publish("done", 1)
+        res["placed"] = q.stats().cuda.get("placed", 0)
+    return res

@@ -6,8 +6,8 @@ its own domain descriptors (mostly the boot id). Listing a transport or channel 
 work for a peer it nevertheless matches makes the pipe fail instead of falling back, so
 :func:`tensorpipe_options` drops what the locality descriptors (:mod:`mq.locality`, judged with
 the same facts as :mod:`mq.routing`) say would break: ``shm`` when no peer shares our IPC
-namespace, ``ibv`` without an ACTIVE port here, ``cuda_ipc`` when a same-host peer is in
-another container, ``cuda_gdr`` where GPUDirect RDMA is impossible.
+namespace, ``ibv`` without an ACTIVE port here, ``cuda_gdr`` where GPUDirect RDMA is
+impossible, and ``cuda_ipc`` always: same-host GPU tensors take mq's own cuda_ipc path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from mq.errors import ConfigError
 from mq.locality import Locality
-from mq.routing import across_containers, known_same, p2p_pair, rdma_ports_text
+from mq.routing import known_same, rdma_ports_text
 
 __all__ = ["TP_CHANNELS", "TP_TRANSPORTS", "must_restrict", "reachable_listen", "is_loopback",
            "check_socket_ifname", "tensorpipe_options"]
@@ -125,16 +125,11 @@ def _channels(local: Locality, peers: list[Locality], cuda: bool, dropped: dict[
 
 
 def _cuda_channels(local: Locality, peers: list[Locality], dropped: dict[str, str]) -> list[str]:
-    channels = []
-    blocked = [why for why in (across_containers(local, r) for r in peers if _same_host(local, r)) if why]
-    if blocked:
-        # TensorPipe matches cuda_ipc by boot id alone: it would pick it for the
-        # cross-container peer too, and fail there.
-        dropped["cuda_ipc"] = blocked[0]
-    elif not any(_same_ipc(local, r) and r.gpus and p2p_pair(local, r) for r in peers):
-        dropped["cuda_ipc"] = "no same-host peer with a P2P-capable GPU pair"
-    else:
-        channels.append("cuda_ipc")
+    channels: list[str] = []
+    # Same-host GPU tensors take mq's own cuda_ipc path (route nvlink, mq.gpu_path): the RPC
+    # carries only CPU bytes for them. TensorPipe's channel would copy twice through a staging
+    # outbox, and its negotiation can break a pipe even for CPU-only traffic (GPU.md).
+    dropped["cuda_ipc"] = "same-host GPU tensors take mq's cuda_ipc path (route nvlink)"
     if not local.active_rdma_ports():
         dropped["cuda_gdr"] = "no ACTIVE RDMA port on this node"
     elif local.peermem is False:

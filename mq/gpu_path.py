@@ -1,0 +1,312 @@
+"""Which GPU buffers of a frame go by CUDA IPC descriptor, to which peers (route ``nvlink``).
+
+:class:`GpuPath` is the node's part of the cuda_ipc data path (:mod:`mq.cuda_ipc` is the
+memory itself). It owns this node's :class:`~mq.cuda_ipc.DevicePool` per GPU, made at the first
+GPU send to an ``nvlink`` peer, and each peer's verdict on each of our pools: the first real
+open of a pool by the peer confirms the route, or drops it to staging through host memory with
+the CUDA error in ``routes()``. Receiving, it opens the pools peers offer
+(:class:`~mq.cuda_ipc.PeerPools`, kept on the peer) and answers with its verdict.
+
+The offer, on the authenticated link, after the join (frame kind ``GPU_POOL``)::
+
+    sender -> peer:   {"offer": pool info}             (mq.cuda_ipc.check_pool_info)
+    peer -> sender:   {"verdict": pool id, "error": None or why, "open_ms": float}
+
+A send waits for the verdict (at most its own timeout); without one in time, that frame is
+staged and the next send asks again. A new incarnation of a peer is a new :class:`Peer`, so
+its pools are offered and opened again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Any, Callable
+
+from mq import cuda_ipc
+from mq.errors import ConfigError, MQError, ProtocolError
+from mq.peers import Peer, PeerTable
+
+log = logging.getLogger("mq")
+
+#: How long the first GPU send to a peer waits for its verdict on our pool (opening a CUDA IPC
+#: handle takes milliseconds, sometimes hundreds).
+VERDICT_WAIT_S = 30.0
+
+
+def cuda_buffers(buffers: list[Any], sizes: list[int]) -> list[int]:
+    """Indices of the non-empty CUDA tensors among a frame's buffers."""
+    return [i for i, b in enumerate(buffers) if sizes[i] and getattr(b, "is_cuda", False)]
+
+
+class GpuPath:
+    """The cuda_ipc path of node ``node_id`` (see the module docstring).
+
+    Args:
+        send_control: ``send_control(peer, payload, timeout)`` sends a GPU_POOL frame.
+        release: ``release(peer, pool_id, slot_id, event)``: a view of a peer's slot is gone
+            (called from garbage collection; must not block).
+        enabled: ``cuda=`` of :func:`mq.create`.
+        pool_bytes: each pool's bound (None: min(4 GiB, a sixteenth of the GPU)).
+    """
+
+    def __init__(self, node_id: int, peers: PeerTable, send_control: Callable[[int, Any, float], None],
+                 release: Callable[[int, int, int, Any], None], *, enabled: bool,
+                 pool_bytes: int | None, incarnation: str):
+        if type(enabled) is not bool:
+            raise ConfigError(f"cuda must be True or False, got {enabled!r}")
+        if pool_bytes is not None:
+            cuda_ipc.check_pool_bytes(pool_bytes)
+        self.node_id = node_id
+        self._peers = peers
+        self._send_control = send_control
+        self._release = release
+        self.enabled = bool(enabled)
+        self.pool_bytes = pool_bytes
+        self.incarnation = incarnation
+        self.unavailable: str | None = None if enabled else "turned off (cuda=False)"
+        self.pools: dict[int, cuda_ipc.DevicePool] = {}  # device index -> our pool there
+        self._verdicts: dict[tuple[int, int], str | None] = {}  # (peer, pool id) -> None (open) or why not
+        self._asked: dict[tuple[int, int], float] = {}  # offers awaiting a verdict -> when sent
+        self._cond = threading.Condition()
+        self._closed = False
+        self.stats = {"offers": 0, "verdicts_ok": 0, "verdicts_failed": 0, "staged_frames": 0}
+
+    # ------------------------------------------------------------------ sending
+    def place(self, peers: list[int], buffers: list[Any], sizes: list[int],
+              deadline: float) -> tuple[list[int], dict[int, list[Any]]]:
+        """Descriptors for the CUDA buffers of a frame: ``(peers that get them, {index:
+        descriptor})``. The other peers get those buffers staged through host memory."""
+        idx = cuda_buffers(buffers, sizes)
+        candidates = [p for p in peers if self._nvlink(p)]
+        if not idx or not candidates or self.unavailable:
+            return [], {}
+        pools = {}
+        for i in idx:
+            device = buffers[i].device.index
+            pool = pools.get(device) or self._pool(device)
+            if pool is None:
+                return [], {}
+            if not pool.fits(sizes[i]):
+                self._note_staged(candidates, f"a {sizes[i]}-byte tensor is larger than the CUDA pool "
+                                  f"({pool.max_bytes} bytes): raise cuda_pool_bytes")
+                return [], {}
+            pools[device] = pool
+        ready = [p for p in candidates if all(self._opened(p, pool, deadline) for pool in pools.values())]
+        if not ready:
+            self.stats["staged_frames"] += 1
+            return [], {}
+        descs: dict[int, list[Any]] = {}
+        try:
+            for i in idx:
+                t = buffers[i]
+                descs[i] = pools[t.device.index].place(t, ready, max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            self.unhold(descs, ready)
+            raise
+        return ready, descs
+
+    def unhold(self, descs: dict[int, list[Any]], peers: list[int]) -> None:
+        """The frame never reached ``peers``: give back the slots held for them."""
+        for _tag, pool_id, slot_id, *_rest in descs.values():
+            pool = self._pool_by_id(pool_id)
+            for peer in peers:
+                if pool is not None:
+                    pool.release(peer, slot_id)
+
+    def _nvlink(self, peer: int) -> bool:
+        p = self._peers.get(peer)
+        return p is not None and p.route is not None and p.route.gpu == "nvlink"
+
+    def _pool(self, device: int) -> cuda_ipc.DevicePool | None:
+        with self._cond:
+            pool = self.pools.get(device)
+            if pool is not None or self.unavailable:
+                return pool
+            try:
+                why = cuda_ipc.available()
+                if why:
+                    raise OSError(why)
+                pool = self.pools[device] = cuda_ipc.DevicePool(device, self.pool_bytes, self.incarnation)
+            except (OSError, cuda_ipc.CudaError, MQError, RuntimeError) as exc:
+                self.unavailable = f"cannot make a CUDA pool on cuda:{device} ({exc})"
+                log.warning("node %d: %s; GPU tensors are staged through host memory",
+                            self.node_id, self.unavailable)
+                self._note_staged([p.node_id for p in self._peers.list()], self.unavailable)
+                return None
+            return pool
+
+    def _pool_by_id(self, pool_id: Any) -> cuda_ipc.DevicePool | None:
+        for pool in list(self.pools.values()):
+            if pool.pool_id == pool_id:
+                return pool
+        return None
+
+    def _opened(self, peer: int, pool: cuda_ipc.DevicePool, deadline: float) -> bool:
+        """Whether ``peer`` opened ``pool``; offers it first if never asked. Waits for the
+        verdict until ``deadline`` (at most :data:`VERDICT_WAIT_S`)."""
+        key = (peer, pool.pool_id)
+        with self._cond:
+            if key in self._verdicts:
+                return self._verdicts[key] is None
+            asked = key in self._asked
+            if not asked:
+                self._asked[key] = time.monotonic()
+        if not asked:
+            self.stats["offers"] += 1
+            try:
+                self._send_control(peer, {"offer": pool.info()}, max(0.0, deadline - time.monotonic()))
+            except MQError as exc:
+                with self._cond:
+                    self._asked.pop(key, None)
+                log.debug("node %d: CUDA pool offer to node %d: %s", self.node_id, peer, exc)
+                return False
+        until = min(deadline, self._asked.get(key, time.monotonic()) + VERDICT_WAIT_S)
+        with self._cond:
+            while key not in self._verdicts and not self._closed:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.1))
+            return self._verdicts.get(key, "closed") is None
+
+    def _note_staged(self, peers: list[int], why: str) -> None:
+        """Route ``nvlink`` to ``peers`` does not hold: GPU payloads take the CPU route."""
+        with self._peers.changed:
+            for peer in peers:
+                p = self._peers.get(peer)
+                if p is not None and p.route is not None and p.route.gpu == "nvlink":
+                    p.route = replace(p.route, gpu=p.route.kind,
+                                      reason=f"{p.route.reason}; GPU payloads staged through host, "
+                                             f"not nvlink: {why}")
+            self._peers.changed.notify_all()
+
+    def on_verdict(self, peer: int, payload: dict[str, Any]) -> None:
+        pool_id, error = payload.get("verdict"), payload.get("error")
+        key = (peer, pool_id)
+        with self._cond:
+            if key not in self._asked or key in self._verdicts:
+                raise ProtocolError(f"node {peer} answered a CUDA pool offer nobody made")
+            if not (error is None or type(error) is str):
+                raise ProtocolError(f"node {peer}: a CUDA pool verdict's error must be text")
+            self._verdicts[key] = error
+            del self._asked[key]
+            self._cond.notify_all()
+        if error is None:
+            self.stats["verdicts_ok"] += 1
+            log.debug("node %d: node %d opened CUDA pool %s in %.1f ms", self.node_id, peer, pool_id,
+                      payload.get("open_ms") or 0.0)
+        else:
+            self.stats["verdicts_failed"] += 1
+            log.warning("node %d: node %d cannot open this node's CUDA pool (%s): GPU tensors to it are "
+                        "staged through host memory", self.node_id, peer, error)
+            self._note_staged([peer], f"node {peer} could not open this node's CUDA pool: {error}")
+
+    # ------------------------------------------------------------------ receiving
+    def on_offer(self, peer: int, info: Any) -> None:
+        """A peer offers its pool: open it off the I/O thread (it may take a while), answer."""
+        threading.Thread(target=self._answer_offer, args=(peer, info), daemon=True,
+                         name=f"mq{self.node_id}-cuda-open").start()
+
+    def _answer_offer(self, peer: int, info: Any) -> None:
+        pool_id = info.get("pool") if type(info) is dict else None
+        error: str | None = None
+        t0 = time.perf_counter()
+        try:
+            reader = self.reader_for(peer)
+            reader.open(info)
+        except (MQError, cuda_ipc.CudaError, RuntimeError, OSError) as exc:
+            error = str(exc)
+            log.warning("node %d: cannot open node %d's CUDA pool: %s", self.node_id, peer, error)
+        verdict = {"verdict": pool_id if type(pool_id) is int else -1, "error": error,
+                   "open_ms": (time.perf_counter() - t0) * 1e3}
+        try:
+            self._send_control(peer, verdict, 10.0)
+        except MQError as exc:
+            log.debug("node %d: CUDA pool verdict to node %d: %s", self.node_id, peer, exc)
+
+    def reader_for(self, peer: int) -> cuda_ipc.PeerPools:
+        """``peer``'s pools opened here (made on its first offer).
+
+        Raises:
+            ProtocolError: the route to ``peer`` is not nvlink here, or it is no live peer.
+        """
+        with self._peers.changed:
+            p = self._peers.get(peer)
+            if p is None or p.lost:
+                raise ProtocolError(f"node {peer} is not a live peer")
+            if p.route is None or p.route.gpu != "nvlink":
+                raise ProtocolError(f"GPU payloads from node {peer} do not take nvlink here "
+                                    f"({p.route.reason if p.route else 'no route'})")
+            if p.gpu_reader is None:
+                loc = p.info.get("locality") or {}
+                uuids = [g.get("uuid") for g in loc.get("gpus") or () if isinstance(g, dict)]
+                release = self._release
+                p.gpu_reader = cuda_ipc.PeerPools(
+                    peer, loc.get("pid"), uuids,
+                    lambda pool_id, slot_id, event, peer=peer: release(peer, pool_id, slot_id, event))
+            return p.gpu_reader
+
+    def on_frame(self, peer: int, payload: Any) -> None:
+        """A GPU_POOL frame from an authenticated peer (its offer, or its verdict on ours)."""
+        if type(payload) is not dict:
+            raise ProtocolError(f"node {peer}: a GPU_POOL frame must carry a map")
+        if "offer" in payload and len(payload) == 1:
+            self.on_offer(peer, payload["offer"])
+        elif "verdict" in payload:
+            self.on_verdict(peer, payload)
+        else:
+            raise ProtocolError(f"node {peer}: a GPU_POOL frame is an offer or a verdict")
+
+    def on_release(self, peer: int, pool_id: Any, slot_id: Any, count: Any) -> None:
+        pool = self._pool_by_id(pool_id)
+        if pool is not None:
+            pool.release(peer, slot_id, count)
+
+    # ------------------------------------------------------------------ housekeeping
+    def forget(self, peer: Peer) -> None:
+        """``peer`` is gone: its slots in our pools are free; its pools are closed here."""
+        for pool in list(self.pools.values()):
+            pool.peer_gone(peer.node_id)
+        with self._cond:
+            for key in [k for k in (*self._verdicts, *self._asked) if k[0] == peer.node_id]:
+                self._verdicts.pop(key, None)
+                self._asked.pop(key, None)
+            self._cond.notify_all()
+        if peer.gpu_reader is not None:
+            peer.gpu_reader.close()
+
+    def pool_for(self, device: int) -> cuda_ipc.DevicePool:
+        """Our pool on ``device`` (for alloc)."""
+        pool = self._pool(device)
+        if pool is None:
+            raise MQError(f"node {self.node_id} has no CUDA pool: {self.unavailable}")
+        return pool
+
+    def pool_of(self, tensor: Any) -> cuda_ipc.DevicePool:
+        pool = self.pools.get(tensor.device.index) if getattr(tensor, "is_cuda", False) else None
+        if pool is None:
+            raise MQError("this tensor was not allocated with q.alloc(..., device='cuda:N')")
+        return pool
+
+    def summary(self) -> dict[str, Any]:
+        readers = [p.gpu_reader for p in self._peers.list() if p.gpu_reader is not None]
+        out: dict[str, Any] = dict(self.stats)
+        for pool in self.pools.values():
+            for k, v in pool.stats.items():
+                out[k] = out.get(k, 0) + v
+        out["held_bytes"] = sum(pool.held_bytes() for pool in self.pools.values())
+        out["pools"] = len(self.pools)
+        out["peer_opens"] = sum(r.opens for r in readers)
+        out["peer_open_ms"] = sum(r.open_seconds for r in readers) * 1e3
+        out["descriptors_refused"] = sum(r.refused for r in readers)
+        return out
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for pool in list(self.pools.values()):
+            pool.close()

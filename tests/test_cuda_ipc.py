@@ -1,0 +1,268 @@
+"""The cuda_ipc path's host-side rules, on any machine (no GPU needed): slot bookkeeping, the
+checks on a peer's pool description and descriptors (all made before any CUDA call), the offer
+protocol, release batching, options, and hostile CUDA frames between real nng nodes. The GPU
+half runs in tests/test_cuda.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import mq
+from mq import cuda_ipc
+from mq.codec import GPU_POOL, MSG
+from mq.cuda_ipc import ALIGN, EVENTS, HANDLE_BYTES, PeerPools, SlotTable, check_pool_info
+from mq.errors import ProtocolError
+from mq.gpu_path import GpuPath
+from mq.lifecycle import Lifecycle
+from mq.peers import Peer, PeerTable
+from mq.routing import Route
+from mq.shm import ReleaseQueue
+from mq.testing import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+UUID = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
+MB = 1 << 20
+
+
+# ---------------------------------------------------------------------- slots
+def test_slots_are_aligned_first_fit_and_coalesce_when_freed():
+    t = SlotTable(4 * ALIGN)
+    a, b, c = t.take(1), t.take(ALIGN + 1), t.take(ALIGN)
+    assert [s.offset for s in (a, b, c)] == [0, ALIGN, 3 * ALIGN]
+    assert t.take(1) is None  # full
+    for s in (a, b, c):
+        t.hold(s, [7])
+    assert t.held_by() == {7: 4 * ALIGN}
+    assert t.release(7, b.slot_id) and t.release(7, a.slot_id)
+    assert t.free == [(0, 3 * ALIGN)]  # the two neighbours became one free range
+    assert t.take(3 * ALIGN).offset == 0
+
+
+def test_a_slot_is_free_only_when_every_holder_released_it():
+    t = SlotTable(ALIGN)
+    s = t.take(10)
+    t.hold(s, [1, 2])
+    t.hold(s, [1])
+    assert t.release(1, s.slot_id, 2)
+    assert t.take(1) is None
+    assert t.release(2, s.slot_id)
+    assert t.take(1) is not None
+
+
+@pytest.mark.parametrize("forged", [("slot", 99), ("count", 0), ("count", 5), ("count", 1.0), ("slot", "1"),
+                                    ("peer", 3)])
+def test_forged_and_stale_releases_change_nothing(forged):
+    t = SlotTable(ALIGN)
+    s = t.take(10)
+    t.hold(s, [1])
+    what, value = forged
+    args = {"peer": 1, "slot": s.slot_id, "count": 1}
+    args[what] = value
+    assert not t.release(args["peer"], args["slot"], args["count"])
+    assert s.holders == {1: 1}
+
+
+def test_a_lost_peer_gives_back_what_it_held_and_pinned_slots_stay():
+    t = SlotTable(2 * ALIGN)
+    s, pinned = t.take(1), t.take(1)
+    pinned.pinned = True
+    t.hold(s, [4])
+    t.hold(pinned, [4])
+    t.peer_gone(4)
+    assert s.slot_id not in t.slots and pinned.slot_id in t.slots
+    assert t.owner(pinned.offset + 8, 16) is pinned and t.owner(s.offset, 1) is None
+    t.unpin(pinned)
+    assert t.free == [(0, 2 * ALIGN)]
+
+
+# ---------------------------------------------------------------------- pool descriptions
+def _info(**kw):
+    info = {"pool": 1, "uuid": UUID, "size": 64 * MB, "handle": b"h" * HANDLE_BYTES,
+            "events": [b"e" * HANDLE_BYTES] * EVENTS, "pid": 4242, "incarnation": "abc"}
+    info.update(kw)
+    return info
+
+
+def test_a_good_pool_description_passes():
+    check_pool_info(_info(), 1, 4242, {UUID})
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"pid": 1}, "owner pid"),  # a handle naming a third process: never opened
+    ({"pid": True}, "owner pid"),
+    ({"uuid": "GPU-bbbbbbbb"}, "not one the peer announced"),
+    ({"uuid": 5}, "not one the peer announced"),
+    ({"handle": b"h" * 63}, "64 bytes"),
+    ({"handle": "h" * 64}, "64 bytes"),
+    ({"events": []}, "event handles"),
+    ({"events": [b"e" * 64] * 65}, "event handles"),
+    ({"events": [b"e" * 65]}, "event handles"),
+    ({"size": 100}, "size"),
+    ({"size": 1 << 50}, "size"),
+    ({"size": 64.0 * MB}, "size"),
+    ({"pool": 0}, "pool id"),
+    ({"pool": -1}, "pool id"),
+    ({"pool": 2 ** 64}, "pool id"),
+    ({"incarnation": 7}, "incarnation"),
+    ({"extra": 1}, "exactly"),
+])
+def test_hostile_pool_descriptions_are_refused_before_any_cuda_call(change, match):
+    with pytest.raises(ProtocolError, match=match):
+        check_pool_info(_info(**change), 1, 4242, {UUID})
+
+
+def test_a_pool_description_must_be_a_map_with_every_field():
+    for bad in ("junk", None, [1], {k: v for k, v in _info().items() if k != "pid"}):
+        with pytest.raises(ProtocolError):
+            check_pool_info(bad, 1, 4242, {UUID})
+
+
+def _pools_with_one_open(size: int = 64 * MB) -> PeerPools:
+    """A reader with one (fake) opened pool: descriptors are checked against it on the host;
+    the checks must refuse every bad one before anything touches CUDA."""
+    pools = PeerPools(1, 4242, [UUID], lambda *a: None)
+    pools._pools[1] = cuda_ipc._Opened(_info(size=size), 0, 1 << 40, [object()] * EVENTS, local=True)
+    return pools
+
+
+@pytest.mark.parametrize("desc", [
+    ["cuda", 1, 1, 0, 64, EVENTS],  # event index past the ring
+    ["cuda", 1, 1, 64 * MB - 256, 512, 0],  # past the end
+    ["cuda", 1, 1, 3, 64, 0],  # unaligned
+    ["cuda", 1, 1, -256, 64, 0],  # negative offset
+    ["cuda", 1, 1, 0, 0, 0],  # empty
+    ["cuda", 1, 1, 0, 64.0, 0],  # not an int
+    ["cuda", 1, 1, 0, True, 0],  # a bool is no int here
+    ["cuda", 1, 1, 0, 1 << 70, 0],  # huge
+    ["cuda", 2, 1, 0, 64, 0],  # a pool the peer never offered
+    ["cuda", 1, 1, 0, 64],  # short
+    ["shm", 1, 1, 0, 64, 0],  # wrong tag
+    "junk",
+])
+def test_hostile_descriptors_are_refused_and_counted(desc):
+    pools = _pools_with_one_open()
+    with pytest.raises(ProtocolError):
+        pools.view(desc)
+    assert pools.refused == 1 and pools._pools[1].live == 0
+
+
+def test_a_pool_described_twice_differently_is_refused_and_a_closed_reader_refuses_all():
+    pools = _pools_with_one_open()
+    with pytest.raises(ProtocolError, match="twice"):
+        pools.open(_info(size=128 * MB))
+    pools.open(_info())  # the same description again: nothing to do
+    pools.close()
+    with pytest.raises(ProtocolError, match="closed"):
+        pools.view(["cuda", 1, 1, 0, 64, 0])
+
+
+# ---------------------------------------------------------------------- releases
+class _Event:
+    def __init__(self) -> None:
+        self.waited = False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_cuda_releases_wait_for_the_receivers_gpu_work_and_batch_per_peer():
+    rq = ReleaseQueue()
+    events = [_Event() for _ in range(3)]
+    rq.put(1, ("cuda", 5), 10, events[0])
+    rq.put(1, ("cuda", 5), 10, events[1])
+    rq.put(2, ("cuda", 5), 11, events[2])
+    rq.put(1, 3, 4)  # a shm release beside them
+    out = rq.take(1.0)
+    assert all(e.waited for e in events)
+    assert sorted(out[1], key=str) == sorted([["cuda", 5, 10, 2], [3, 4, 1]], key=str)
+    assert out[2] == [["cuda", 5, 11, 1]]
+
+
+# ---------------------------------------------------------------------- the offer protocol
+def _path(route_gpu: str = "nvlink") -> tuple[GpuPath, list]:
+    table = PeerTable(0, Lifecycle(), None)
+    table.by_id[1] = Peer(1, route=Route(kind="shm", gpu=route_gpu, reason="test"),
+                          info={"locality": {"pid": 4242, "gpus": [{"index": 0, "uuid": UUID}]}})
+    sent: list = []
+    path = GpuPath(0, table, lambda peer, payload, timeout: sent.append((peer, payload)),
+                   lambda *a: None, enabled=True, pool_bytes=None, incarnation="x")
+    return path, sent
+
+
+def test_an_unsolicited_or_malformed_gpu_pool_frame_is_a_protocol_error():
+    path, _ = _path()
+    for payload in ({"verdict": 1, "error": None}, "junk", {"offer": {}, "more": 1}, {}):
+        with pytest.raises(ProtocolError):
+            path.on_frame(1, payload)
+
+
+def test_an_offer_over_a_route_that_is_not_nvlink_gets_a_refusing_verdict():
+    path, sent = _path(route_gpu="shm")
+    path.on_frame(1, {"offer": _info()})
+    assert wait_until(lambda: sent, timeout=5)
+    peer, verdict = sent[0]
+    assert peer == 1 and verdict["verdict"] == 1 and "do not take nvlink" in verdict["error"]
+
+
+def test_a_hostile_offer_gets_a_refusing_verdict_and_opens_nothing():
+    path, sent = _path()
+    path.on_frame(1, {"offer": _info(pid=1)})
+    assert wait_until(lambda: sent, timeout=5)
+    assert "owner pid" in sent[0][1]["error"]
+    assert path._peers.get(1).gpu_reader.refused == 1 and path._peers.get(1).gpu_reader.opens == 0
+
+
+def test_a_failed_verdict_stages_gpu_payloads_and_says_why_in_the_route():
+    path, _ = _path()
+    path._asked[(1, 3)] = 0.0
+    path.on_frame(1, {"verdict": 3, "error": "cuIpcOpenMemHandle failed: CUDA error 1", "open_ms": 1.0})
+    route = path._peers.get(1).route
+    assert route.gpu == "shm" and "cuIpcOpenMemHandle failed" in route.reason
+    with pytest.raises(ProtocolError):  # a second verdict for the same offer
+        path.on_frame(1, {"verdict": 3, "error": None})
+
+
+# ---------------------------------------------------------------------- options
+def test_cuda_options_are_checked():
+    with pytest.raises(mq.ConfigError, match="cuda must be True or False"):
+        mq.create("nng", 0, cuda="yes")
+    with pytest.raises(mq.ConfigError, match="cuda_pool_bytes"):
+        mq.create("nng", 0, cuda_pool_bytes=-1)
+    with pytest.raises(mq.ConfigError, match="cuda_pool_bytes"):
+        mq.create("nng", 0, cuda_pool_bytes="4g")
+    q = mq.create("nng", 0)
+    with q:
+        with pytest.raises(mq.ConfigError, match="device must be"):
+            q.alloc(4, "float32", device="tpu:0")
+        try:
+            import torch
+        except ImportError:
+            return
+        if not torch.cuda.is_available():
+            with pytest.raises(mq.ConfigError, match="no CUDA pool"):
+                q.alloc(4, torch.float32, device="cuda:0")
+
+
+# ---------------------------------------------------------------------- hostile frames, real nodes
+def test_forged_cuda_descriptors_and_offers_from_a_peer_are_dropped_and_both_keep_working():
+    import numpy as np
+
+    a = mq.create("nng", 0, "a", listen_to="tcp://127.0.0.1:0", timeout=10)
+    with a:
+        b = mq.create("nng", 1, "b", attach_to=[a.addresses["tcp"]], timeout=10)
+        with b:
+            b.subscribe("data")
+            a.wait_for_subscribers("data", 1, timeout=10)
+            frame = a._sender.encode(MSG, "data", np.zeros(8, np.uint8))
+            for desc in (["cuda", 1, 1, 0, 8, 0], ["cuda", "x"], ["cuda"]):
+                a._sender.send_raw(1, frame.with_descriptors({0: desc}), 5)
+            a._sender.send_control(1, GPU_POOL, {"verdict": 9, "error": None}, 5)  # never asked
+            a._sender.send_control(1, GPU_POOL, {"offer": _info()}, 5)  # no nvlink route here
+            assert wait_until(lambda: b.stats().dropped_malformed >= 4)
+            a.send(1, "data", np.arange(5))
+            assert list(b.recv(timeout=10).payload) == [0, 1, 2, 3, 4]
+            # b refused the offer with a verdict a never asked for: counted there, nothing else
+            assert wait_until(lambda: a.stats().dropped_malformed >= 1)
+            b.send(0, "x", 1)
+            a.subscribe("x")
