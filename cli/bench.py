@@ -54,8 +54,8 @@ def _fail(message: str) -> click.ClickException:
               help="nng, torchrpc:cpu, torchrpc:cuda; repeatable. Default: all (rows this machine "
                    "cannot run are listed as skipped with the reason).")
 @click.option("--route", "routes", multiple=True, type=click.Choice(lib.NNG_ROUTES),
-              help="nng route (the nng `protocol` option); repeatable. Default: auto, tcp and ipc. "
-                   "torchrpc rows always use auto.")
+              help="nng route (the nng `protocol` option); repeatable. Default: auto, tcp and ipc "
+                   "(with --device cuda: auto). torchrpc rows always use auto.")
 @click.option("--mode", "modes", multiple=True, type=click.Choice(lib.MODES),
               help="roundtrip (default): B echoes; oneway: B acks with a tiny message; fanout: A "
                    "publishes to --subscribers peers and waits for every ack (also measured with one "
@@ -67,7 +67,10 @@ def _fail(message: str) -> click.ClickException:
 @click.option("--messages", type=click.IntRange(1), default=1000, show_default=True,
               help="stream: messages per sample (the receiver acks each burst once).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="where the payload tensor lives.")
+              help="where the payload tensor lives. cuda: made on cuda:0, synchronized on the GPU "
+                   "at every receiver before it counts, each mq row with a '+copy' twin (the "
+                   "receiver copies the view into an owned tensor), the bound a device-to-device "
+                   "copy, ratios to raw torch RPC cuda, and the GPU pass lines.")
 @click.option("--sizes", default=None, metavar="LIST",
               help="comma-separated sizes, e.g. 1.25KB,20KB (binary units; at most 2.5GB); for "
                    "stream, the size of each message. Default: 1.25KB,20KB,1.25MB,10MB,40MB,640MB,"
@@ -148,8 +151,10 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
         plot_path = plot_path or os.path.join(out_dir, "bench.png")
         if device == "cpu" and lib.cuda_available():
             devices["torchrpc:cuda"] = "cuda"  # the point of that mq type
+    if not routes:  # a CUDA payload over tcp or ipc is staged through host memory: not the point
+        routes = ("auto",) if device == "cuda" else tuple(lib.NNG_ROUTES)
     cfg = lib.BenchConfig(
-        mq_types=types, routes=list(routes) or list(lib.NNG_ROUTES), device=device, devices=devices,
+        mq_types=types, routes=list(routes), device=device, devices=devices,
         sizes=size_list, hosts=hosts,
         max_seconds=max_seconds if max_seconds is not None else (SUITE_MAX_SECONDS if suite else 10.0),
         target_seconds=target_seconds, min_samples=min_samples, max_samples=max_samples,
@@ -262,7 +267,7 @@ def _print_tables(report: lib.Report) -> None:
                       link.get("error") or "")
         console.print(t)
     t = Table(title="ms per sample: round trip (A send -> B recv+send -> A recv) unless the row names "
-                    "its mode; x bound = p50 / the memcpys the note names", title_justify="left")
+                    "its mode; x bound = p50 / the copies the note names", title_justify="left")
     for col, just in (("row", "left"), ("size", "right"), ("samples", "right"), ("min", "right"),
                       ("p50", "right"), ("p99", "right"), ("max", "right"), ("Gbit/s", "right"),
                       ("raw p50", "right"), ("ratio", "right"), ("x bound", "right"), ("note", "left")):
@@ -281,12 +286,35 @@ def _print_tables(report: lib.Report) -> None:
                   lib.row_note(r))
         last = label
     console.print(t)
+    _print_gpu(console, report)
     for target in report.targets:
         mark = ("[green]met[/green]" if target["met"] else
                 ("[dim]no data[/dim]" if not target["rows_checked"] else "[red]missed[/red]"))
         console.print(f"{mark}: {target['target']} (worst: {target['worst']})")
     for note in report.notes:
         console.print(f"[dim]note: {note}[/dim]")
+
+
+def _print_gpu(console: Any, report: lib.Report) -> None:
+    """CUDA rows against the D2D copy bound and raw torch RPC cuda, and the GPU pass lines."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    sizes, rows = lib.gpu_pivot(report)
+    if rows:
+        t = Table(title="CUDA payloads: p50 ms (x the D2D copy bound, x raw torch RPC cuda); +copy: "
+                        "the receiver copies the view into an owned tensor", title_justify="left")
+        t.add_column("row")
+        for size in sizes:
+            t.add_column(size, justify="right")
+        for label, cells in rows:
+            t.add_row(label, *cells)
+        console.print(t)
+    if report.checks:
+        console.print("[bold]GPU pass lines[/bold]")
+    for c in report.checks:
+        color = "green" if c["passed"] else ("yellow" if c["value"] is None else "red")
+        console.print(f"[{color}]{escape(lib.check_line(c))}[/{color}]")
 
 
 def _fanout_across_hosts(fan_hosts: str, modes: tuple[str, ...], sizes: list[int], subscribers: int,

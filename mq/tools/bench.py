@@ -49,6 +49,16 @@ faulted in first), measured by its own worker interleaved with the first group t
 size. Each row's ``ratio_bound`` is its p50 over the memcpys it needs at least
 (``bound_copies``: 2 for a round trip, 1 for one-way and fan-out, ``messages`` for a stream).
 
+CUDA payloads (``device="cuda"``): A makes the payload on cuda:0; every receiver (B, and A for
+an echo) synchronizes its current stream before the payload counts as arrived, so a sample ends
+with the bytes usable on the GPU (a payload that arrived in host memory is first copied there,
+and the row's ``arrived_on`` and note say so). Each mq row has a ``+copy`` twin (``owned``):
+the receiver also copies the view into an owned, preallocated CUDA tensor ("view + copy", what
+TensorPipe hands over) before it counts. The bound of CUDA rows is one device-to-device copy
+(``d2d``: ``dst.copy_(src)`` into a warm tensor on the same GPU, timed by CUDA events), and
+every mq CUDA row also gets its ratio to raw torch RPC cuda (``rpc_cuda_ratio``). The report's
+``checks`` are the GPU pass lines (:mod:`mq.tools.bench_gpu`).
+
 Sampling: per (row, size) a warm-up (excluded) estimates one round trip; the row then takes
 ``target_seconds`` worth of samples (clamped to ``min_samples..max_samples``) in batches of
 about ``batch_seconds``, alternating with the other rows of its group. ``max_seconds`` bounds
@@ -74,8 +84,9 @@ from mq.errors import ConfigError
 from mq.launch_profiles import launchable_mq_types
 from mq.supervise import stop_signals_raise
 from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
-    ROW_FIELDS, TARGETS, Report, _read, _targets, fmt_ms, fmt_ratio, machine_info, machine_line,
-    pivot, plot, row_label, row_note, to_csv, to_json, to_markdown, write_all,
+    ROW_FIELDS, TARGETS, Report, _read, _targets, check_line, fmt_ms, fmt_ratio, gpu_pivot,
+    machine_info, machine_line, pivot, plot, row_label, row_note, to_csv, to_json, to_markdown,
+    write_all,
 )
 from mq.tools.bench_units import (  # noqa: F401
     DEFAULT_SIZES, GB, KB, MAX_SIZE, MB, format_size, parse_size, parse_sizes,
@@ -85,6 +96,7 @@ from mq.tools.bench_cases import (  # noqa: F401 (cuda_available: the CLI's)
     pool_api_missing, rpc_unavailable, zmq_installed,
 )
 from mq.tools.bench_endpoint import CONNECT_TIMEOUT_S, MODES, hard_timeout
+from mq.tools.bench_gpu import gpu_checks
 from mq.tools.bench_rows import report_rows
 
 log = logging.getLogger("mq.tools.bench")
@@ -204,7 +216,7 @@ class _Runner:
         self.notes: list[str] = []
         self.procs: list[WorkerProc] = []
         self.two: Any = None  # mq.tools.netns.TwoHosts while running two-hosts rows
-        self.bound = Case("bound", "memcpy", "warm", "cpu", "same", "bound", subscribers=0)
+        self.bounds = plan_bounds(cfg)
 
     # -------------------------------------------------------------- plan
     def plan(self) -> list[tuple[str, str, list[Case]]]:
@@ -222,7 +234,7 @@ class _Runner:
                 for mq_type in rpc_types if mode not in NNG_ONLY_MODES else ():
                     c = Case("mq", mq_type, "auto", cfg.device_for(mq_type), hosts, mode)
                     c.unavailable = mq_type_unavailable(mq_type)
-                    groups.append((hosts, mq_type, [c]))
+                    groups.append((hosts, mq_type, [c, *_owned_twins([c])]))
         return groups
 
     def _nng_cases(self, hosts: str, mode: str) -> list[Case]:
@@ -237,9 +249,10 @@ class _Runner:
             if mode == "fanout" and c.subscribers > 1:  # fan-out N is compared with fan-out 1
                 c.baseline = Case("mq", "nng", route, c.device, hosts, mode, unavailable=c.unavailable)
                 cases.append(c.baseline)
+        cases += _owned_twins(cases)
         if mode == "oneway" and hosts == "same":
             c = Case("mq", "nng", "handle", cfg.device_for("nng"), hosts, mode)
-            c.unavailable = mq_type_unavailable("nng") or pool_api_missing()
+            c.unavailable = mq_type_unavailable("nng") or pool_api_missing(c.device)
             cases.append(c)
         return cases
 
@@ -271,16 +284,18 @@ class _Runner:
                         if hosts == "two":
                             self._leave_two_hosts()
             finally:
-                self._stop_pairs([self.bound])
+                self._stop_pairs(list(self.bounds.values()))
                 self._kill_all()
                 self._leave_two_hosts()
 
     def _start_bound(self) -> None:
-        """The memcpy row: one worker for the whole run; it joins every group (see _run_size)
-        and measures each size once, interleaved with the first group that has that size."""
-        self.cases.append(self.bound)
-        self.progress({"event": "total", "add": len(self.cfg.all_sizes())})
-        self._start_pairs("same", [self.bound])
+        """The bound rows (memcpy for CPU payloads, the D2D copy for CUDA ones): one worker each
+        for the whole run; each joins every group (see _run_group) and measures each size once,
+        interleaved with the first group that has that size."""
+        bounds = list(self.bounds.values())
+        self.cases.extend(bounds)
+        self.progress({"event": "total", "add": len(bounds) * len(self.cfg.all_sizes())})
+        self._start_pairs("same", bounds)
 
     def _enter_two_hosts(self) -> str | None:
         from mq.tools.netns import NetnsError, TwoHosts, unavailable
@@ -375,25 +390,32 @@ class _Runner:
 
     def _stop_pairs(self, cases: list[Case]) -> None:
         procs = {p: c for c in cases for p in c.procs}
-        for p, why in self._stop_procs(list(procs)).items():
-            self.notes.append(f"{procs[p].name} side {p.role}: {why}")
+        for p, info in self._stop_procs(list(procs)).items():
+            c = procs[p]
+            if info.get("error"):
+                self.notes.append(f"{c.name} side {p.role}: {info['error']}")
+            for size, devices in (info.get("arrived_on") or {}).items():
+                if size in c.results:  # B's receipts: where CUDA payloads arrived, per size
+                    c.results[size].arrived_on.update(devices)
 
-    def _stop_procs(self, procs: list[WorkerProc]) -> dict[WorkerProc, str]:
+    def _stop_procs(self, procs: list[WorkerProc]) -> dict[WorkerProc, dict[str, Any]]:
         """Ask workers to stop (they clean up sockets), then kill whatever is left. Returns
-        the errors workers reported on the way out."""
-        errors = {}
+        what workers reported on the way out (``error``, ``arrived_on``)."""
+        infos = {}
         for p in procs:
             if p.proc.is_alive():
                 with contextlib.suppress(WorkerFailed):
                     p.send("stop")
         for p in procs:
+            # Also from a worker that already exited: its answer waits in the pipe (a dead one
+            # with nothing there raises at once).
             with contextlib.suppress(WorkerFailed):
-                info = p.recv("stopped", 3.0) if p.proc.is_alive() else None
-                if info and info.get("error"):
-                    errors[p] = info["error"]
+                info = p.recv("stopped", 3.0)
+                if info:
+                    infos[p] = info
             p.proc.join(2.0)
             p.kill()
-        return errors
+        return infos
 
     def _kill_all(self) -> None:
         for p in self.procs:
@@ -427,7 +449,9 @@ class _Runner:
             if name == "pynng":
                 fam = _family(c, hosts)
                 c.baseline = raw("raw:pynng", fam, c.device, c.mode)
-                if c.mode in ZMQ_MODES and zmq_installed():  # a row of its own, nobody's baseline
+                # A row of its own, nobody's baseline: zero-copy sockets on host memory (not for
+                # CUDA payloads, which it could only stage).
+                if c.mode in ZMQ_MODES and zmq_installed() and c.device != "cuda":
                     raw("raw:pyzmq", fam, c.device, c.mode)
             elif c.mq_type == "torchrpc:cuda":
                 c.baseline = raw("raw:rpc-cuda", "auto", c.device, c.mode)
@@ -447,7 +471,7 @@ class _Runner:
         self.progress({"event": "total", "add": len(everything) * len(sizes)})
         try:
             for i, size in enumerate(sizes):
-                bound = [self.bound] if size not in self.bound.results else []
+                bound = [b for b in self.bounds.values() if size not in b.results]
                 self._run_size(everything + bound, size, i)
         finally:
             self._stop_pairs(everything)
@@ -522,6 +546,7 @@ class _Runner:
         res.samples_ns += out["samples_ns"]
         res.warm_ns += out["warm_ns"]
         res.arrival_ns += out.get("arrival_ns", [])
+        res.arrived_on.update(out.get("arrived_on", []))
         # One round trip's estimate: the median of what this size has done so far (warm-ups
         # only until there are samples: the first round trips of a size are the slow ones).
         w = sorted(res.samples_ns or res.warm_ns[len(res.warm_ns) // 2:])
@@ -572,6 +597,32 @@ class _Runner:
                                                      f"{row['gbps'] if row['gbps'] else row['error']} Gbit/s"})
 
 
+def plan_bounds(cfg: BenchConfig) -> dict[str, Case]:
+    """The physical-bound rows a run needs, by payload device: ``memcpy`` (one memcpy into warm
+    host memory) where some row's payload is on the CPU, ``d2d`` (one device-to-device copy into
+    a warm CUDA tensor) where some row's is on the GPU. Each row's ``x bound`` is to its
+    device's bound."""
+    devices = {cfg.device_for(t) for t in cfg.mq_types} or {"cpu"}
+    bounds = {}
+    for device, name in (("cpu", "memcpy"), ("cuda", "d2d")):
+        if device in devices:
+            bounds[device] = Case("bound", name, "warm", device, "same", "bound", subscribers=0)
+    return bounds
+
+
+def _owned_twins(cases: list[Case]) -> list[Case]:
+    """For each mq case with a CUDA payload, its "view + copy" twin (``owned``): the receiver
+    copies the view into an owned CUDA tensor before the payload counts as arrived, as a user
+    who keeps it would (TensorPipe hands over an owned tensor). Same baseline rules."""
+    twins = {c: Case("mq", c.mq_type, c.route, c.device, c.hosts, c.mode, subscribers=c.subscribers,
+                     owned=True, unavailable=c.unavailable)
+             for c in cases if c.kind == "mq" and c.device == "cuda" and c.route != "handle" and not c.owned}
+    for c, twin in twins.items():  # a fan-out N +copy: to the same fan-out to one, +copy too
+        if c.baseline is not None:
+            twin.baseline = twins.get(c.baseline)
+    return list(twins.values())
+
+
 def _family(c: Case, hosts: str) -> str:
     """The raw pynng address family an nng row is compared with."""
     route = c.resolved_route or c.route
@@ -607,11 +658,11 @@ def run(cfg: BenchConfig, progress: Progress | None = None) -> Report:
     started = time.monotonic()
     load_before = _read("/proc/loadavg").split()[:3] or None
     runner.run()
-    rows = report_rows(runner.cases, runner.bound, cfg)
+    rows = report_rows(runner.cases, runner.bounds, cfg)
     config = asdict(cfg)
     config["sizes"] = [format_size(s) for s in cfg.sizes]
     config["mode_sizes"] = {m: [format_size(s) for s in cfg.sizes_for(m)] for m in cfg.modes}
     config["seconds_total"] = round(time.monotonic() - started, 1)
     config["loadavg_before"] = load_before
     return Report(machine=machine_info(), rows=rows, links=runner.links, config=config,
-                  targets=_targets(rows), notes=runner.notes)
+                  targets=_targets(rows), notes=runner.notes, checks=gpu_checks(rows))

@@ -83,16 +83,19 @@ class WorkerProc:
 
 @dataclass(eq=False)
 class Case:
-    """One row kind: an mq configuration, a raw baseline or the memcpy bound, with its workers
-    (A, and one B per subscriber: none for the bound)."""
+    """One row kind: an mq configuration, a raw baseline or a physical bound, with its workers
+    (A, and one B per subscriber: none for a bound)."""
 
     kind: str  # "mq" | "raw" | "bound"
-    mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:rpc, raw:rpc-cuda | memcpy
+    mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:rpc, raw:rpc-cuda | memcpy, d2d
     route: str  # requested: auto/tcp/ipc/handle (mq), tcp/ipc (raw sockets), auto (rpc), warm (bound)
     device: str
     hosts: str
     mode: str = "roundtrip"  # see MODES; "bound" for the memcpy row
     subscribers: int = 1  # B processes
+    # CUDA payloads: the receiver copies each one into an owned CUDA tensor before it counts as
+    # arrived ("view + copy", the row ``... +copy``); False: the view is ready ("view ready").
+    owned: bool = False
     resolved_route: str | None = None
     baseline: "Case | None" = None
     unavailable: str | None = None  # never started: why
@@ -107,7 +110,7 @@ class Case:
     def name(self) -> str:
         where = " (two hosts)" if self.hosts == "two" else ""
         fan = f" x{self.subscribers}" if self.mode == "fanout" else ""
-        return f"{self.mq_type}/{self.route} {self.mode}{fan}{where}"
+        return f"{self.mq_type}/{self.route} {self.mode}{fan}{where}{' +copy' if self.owned else ''}"
 
     @property
     def procs(self) -> list[WorkerProc]:
@@ -126,9 +129,11 @@ class Case:
 
     def spec(self, host: str, messages: int) -> dict[str, Any]:
         kind = {"mq": "mq", "bound": "bound"}.get(self.kind) or _RAW_KINDS[self.mq_type.split("-")[0]]
+        if self.kind == "bound" and self.device == "cuda":
+            kind = "d2d"
         return {"kind": kind, "mq_type": self.mq_type, "route": self.route, "device": self.device,
                 "host": host, "device_maps": self.mq_type == "raw:rpc-cuda", "mode": self.mode,
-                "subscribers": self.subscribers, "messages": messages}
+                "subscribers": self.subscribers, "messages": messages, "owned": self.owned}
 
 
 _RAW_KINDS = {"raw:pynng": "pynng", "raw:pyzmq": "zmq", "raw:rpc": "rpc"}
@@ -145,6 +150,7 @@ class SizeResult:
     done: bool = False
     skipped: str | None = None
     link_bytes: int | None = None
+    arrived_on: set[str] = field(default_factory=set)  # CUDA rows: devices payloads arrived on
 
 
 def cuda_available() -> bool:
@@ -186,13 +192,23 @@ def mq_type_unavailable(mq_type: str) -> str | None:
     return None
 
 
-def pool_api_missing() -> str | None:
-    """Why the by-handle row cannot run: mq's shared-memory pool API (alloc / wait_released)."""
+def pool_api_missing(device: str = "cpu") -> str | None:
+    """Why the by-handle row cannot run: mq's shared-memory pool API (alloc / wait_released);
+    for a CUDA payload, an ``alloc`` that takes a ``device`` (mq's CUDA pool)."""
+    import inspect
+
     import mq
 
-    if hasattr(mq.MQ, "alloc") and hasattr(mq.MQ, "wait_released"):  # what mq.create returns
-        return None
-    return "mq has no shared-memory pool API"
+    if not (hasattr(mq.MQ, "alloc") and hasattr(mq.MQ, "wait_released")):  # what mq.create returns
+        return "mq has no shared-memory pool API"
+    if device != "cpu":
+        try:
+            params = inspect.signature(mq.MQ.alloc).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "device" not in params:
+            return "mq's alloc takes no device= yet: no CUDA payload by handle"
+    return None
 
 
 def zmq_installed() -> bool:

@@ -15,6 +15,7 @@ from mq.tools.bench_units import MB
 
 
 CONNECT_TIMEOUT_S = 90.0  # spawn + import torch + rendezvous, on a loaded 2-core machine
+LAST_BYTE = 0x5A  # every payload's last byte: a receiver of a CUDA payload checks it once per size
 
 # Workers run a full garbage collection after every round trip of at least this many bytes,
 # outside the timed region (B: after its echo has been sent), for every row kind, baselines
@@ -65,6 +66,29 @@ def ack_now(t: Any) -> int:
     return time.perf_counter_ns()
 
 
+def ack_ready(t: Any) -> list[Any]:
+    """The raw RPC one-way remote function for CUDA payloads: makes the tensor ready on the GPU
+    (TensorPipe runs the function on streams that wait for the received tensors; a host sync of
+    the current one is "ready", as mq's receivers do; a tensor that came in host memory is
+    copied there first), then acks its arrival time and the device it arrived on."""
+    import torch
+
+    where = str(t.device)
+    if not t.is_cuda:
+        t = t.to("cuda:0")
+    torch.cuda.current_stream(t.device).synchronize()
+    return [time.perf_counter_ns(), where]
+
+
+def echo_ready(t: Any) -> Any:
+    """The raw RPC round trip's remote function for CUDA payloads with device maps: the tensor
+    ready on the GPU (as :func:`ack_ready`), then echoed."""
+    import torch
+
+    torch.cuda.current_stream(t.device).synchronize()
+    return t
+
+
 class Closed(Exception):
     """B's socket or queue was closed: stop serving."""
 
@@ -90,6 +114,62 @@ def check_stream_ack(ack: Any, sent: int) -> None:
                            f"expects {expected} next and saw {gaps} gap(s)")
 
 
+def cuda_device(device: str) -> str:
+    """``cuda`` -> ``cuda:0``: a payload on the GPU is made on device 0 (every process of a pair
+    sees the same GPUs, so cuda:0 is the same device both sides)."""
+    return "cuda:0" if device == "cuda" else device
+
+
+class GpuArrival:
+    """What a receiver does with a CUDA payload before a sample ends, and what it saw.
+
+    ``ready``: synchronize the receiving thread's current stream, so the tensor is usable ("view
+    ready": mq's cuda_ipc view is ready on that stream); with ``owned`` first copy it into an
+    owned, preallocated CUDA tensor (allocated and zeroed once per size, as a reused buffer
+    would be) and synchronize after the copy ("view + copy": what TensorPipe hands over). A
+    payload that arrived in host memory is copied onto the GPU either way: it must end up there.
+    Records, per size, the devices payloads arrived on (``"cpu"``: staged through host memory)."""
+
+    def __init__(self, device: str, owned: bool):
+        self.device = cuda_device(device)
+        self.owned = owned
+        self.seen: dict[int, set[str]] = {}
+        self._dst: Any = None
+
+    def ready(self, t: Any) -> Any:
+        """``t`` usable on the GPU (see the class); checks the last byte of the first payload of
+        each size. Raises RuntimeError for anything else than a tensor (a peer's error report
+        arrives as a string) or for wrong bytes."""
+        import torch
+
+        if isinstance(t, str):
+            raise RuntimeError(t)
+        if not isinstance(t, torch.Tensor):
+            raise RuntimeError(f"payload arrived as {type(t).__name__}, not a tensor")
+        first = int(t.nbytes) not in self.seen
+        self.seen.setdefault(int(t.nbytes), set()).add(str(t.device))
+        if self.owned or not t.is_cuda:
+            if self._dst is None or self._dst.shape != t.shape or self._dst.dtype != t.dtype:
+                self._dst = None
+                self._dst = torch.zeros(t.shape, dtype=t.dtype, device=self.device)
+            self._dst.copy_(t)
+            t = self._dst
+        torch.cuda.current_stream(t.device).synchronize()
+        if first and t.dtype == torch.uint8 and t.numel():
+            last = int(t.reshape(-1)[-1])
+            if last != LAST_BYTE:
+                raise RuntimeError(f"a {t.nbytes}-byte CUDA payload arrived with the wrong bytes "
+                                   f"(last byte {last:#x}, sent {LAST_BYTE:#x})")
+        return t
+
+    def seen_by_size(self) -> dict[int, list[str]]:
+        # list(): B's serve thread may add a size meanwhile (the copy is one step under the GIL).
+        return {size: sorted(devs) for size, devs in list(self.seen.items())}
+
+    def free(self) -> None:
+        self._dst = None
+
+
 def host_array(t: Any) -> Any:
     """A tensor's bytes as a host numpy array (raw sockets only carry host memory)."""
     return (t.cpu() if t.device.type != "cpu" else t).numpy()
@@ -110,7 +190,11 @@ class Endpoint:
         self.mode = spec.get("mode", "roundtrip")
         self.acks = max(1, spec.get("subscribers", 1))  # A waits for one ack per subscriber
         self.burst = spec.get("messages", 1)  # messages per stream sample
-        self.device = spec.get("device", "cpu")
+        self.device = cuda_device(spec.get("device", "cpu"))
+        self.owned = bool(spec.get("owned"))
+        # CUDA payloads: every receipt ends with the tensor on the GPU and synchronized (see
+        # GpuArrival); None for CPU rows, which stay as they were.
+        self.gpu = GpuArrival(self.device, self.owned) if self.device.startswith("cuda") else None
         self.error: str | None = None
         self._payload: Any = None
         self._payload_size = -1
@@ -124,7 +208,23 @@ class Endpoint:
         # collection walks every object (torch's too) and leaves the caches cold: at 640 MB by
         # handle, a sample right after one took ~0.45 ms one way where 40 MB (no collection)
         # took ~0.12 ms, and 8 subscribers doubled a 100 MB fan-out.
-        self._collect_big = spec.get("route") != "handle" and self.mode != "fanout"
+        # CUDA payloads leave no big host buffer behind (the payload is GPU memory, a received
+        # one a pool view or TensorPipe's tensor), so collecting would only add untimed tens of
+        # ms per sample where a sample takes ~1 ms, and hide a view that is not released.
+        self._collect_big = (spec.get("route") != "handle" and self.mode != "fanout"
+                             and not (self.gpu is not None and spec.get("kind") in ("mq", "rpc", "d2d")))
+
+    def warm_device(self) -> None:
+        """Create the CUDA context before the first sample (it takes up to seconds)."""
+        if self.gpu is not None:
+            import torch
+
+            torch.zeros(1, device=self.device)
+            torch.cuda.synchronize()
+
+    def arrived(self) -> dict[int, list[str]]:
+        """{size: devices payloads of that size arrived on} (CUDA rows; {} otherwise)."""
+        return self.gpu.seen_by_size() if self.gpu is not None else {}
 
     # -- life cycle
     def prepare(self) -> dict[str, Any]:
@@ -150,6 +250,10 @@ class Endpoint:
                 m = self._b_recv(0.5)
                 if m is None:
                     continue
+                if self.gpu is not None and self.mode != "stream":
+                    m = self._b_arrive(m)  # on the GPU and synchronized (owned: copied first)
+                    if m is None:  # it was wrong: B reported why instead of echoing or acking
+                        continue
                 arrived = time.perf_counter_ns()
                 big = self._collect_big and nbytes_of(m) >= GC_EACH_BYTES
                 if self.mode in ("roundtrip", "call"):
@@ -169,6 +273,11 @@ class Endpoint:
             except Exception as exc:  # A's next wait times out and reports the row skipped
                 self.error = f"{self.mode} peer failed: {type(exc).__name__}: {exc}"
                 return
+
+    def _b_arrive(self, m: Any) -> Any:
+        """CUDA rows: make the received payload ready on the GPU (:class:`GpuArrival`); returns
+        what B echoes (the view, or with ``owned`` the owned copy) or drops."""
+        raise NotImplementedError(f"{type(self).__name__} does not receive CUDA payloads")
 
     # -- A side
     def _set_timeout(self, timeout: float) -> None:
@@ -190,16 +299,22 @@ class Endpoint:
         if self.mode == "call":
             t0 = time.perf_counter_ns()
             out = self._call(t)
+            if self.gpu is not None:
+                out = self.gpu.ready(out)
             t1 = time.perf_counter_ns()
             return t1 - t0, out
         t0 = time.perf_counter_ns()
         self._send(t)
         if self.mode == "roundtrip":
             out = self._recv_echo()
+            if self.gpu is not None:
+                out = self.gpu.ready(out)
         else:
             out = None
             for _ in range(self.acks):
                 ack = self._recv_ack()
+                if isinstance(ack, str):  # B found something wrong with what it received
+                    raise RuntimeError(ack)
         t1 = time.perf_counter_ns()
         if self.mode == "oneway":
             self._arrival_ns = self._arrival(ack) - t0
@@ -238,12 +353,16 @@ class Endpoint:
             else:  # faults every page in; random fill of GBs would take seconds
                 t.fill_(0xA5)
                 t[:: 1 << 20].copy_(torch.arange(t[:: 1 << 20].numel()).to(torch.uint8))
-            t[-1] = 0x5A
+            t[-1] = LAST_BYTE
+            if t.is_cuda:
+                torch.cuda.synchronize()  # the fill is not part of the first sample
             self._payload, self._payload_size = t, size
         return self._payload
 
     def free(self) -> None:
         self._payload, self._payload_size = None, -1
+        if self.gpu is not None:
+            self.gpu.free()
         gc.collect()
 
     def batch(self, size: int, n: int, warmup: int, warm_cap_s: float, cap_s: float,
@@ -279,10 +398,11 @@ class Endpoint:
             if self._collect_big and size >= GC_EACH_BYTES:
                 gc.collect()  # not timed; see GC_EACH_BYTES
         elapsed = time.monotonic() - start
+        arrived_on = self.arrived().get(size, [])
         if size >= 256 * MB:  # don't sit on GBs while other rows of the group run
             self.free()
         return {"samples_ns": samples, "warm_ns": warm, "arrival_ns": arrivals, "elapsed_s": elapsed,
-                "stopped": stopped}
+                "stopped": stopped, "arrived_on": arrived_on}
 
 
 def check_echo(t: Any, out: Any) -> None:

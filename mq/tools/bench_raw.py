@@ -11,7 +11,8 @@ import time
 from typing import Any
 
 from mq.tools.bench_endpoint import (
-    CONNECT_TIMEOUT_S, Closed, Endpoint, ack_now, echo_back, hard_timeout, host_array,
+    CONNECT_TIMEOUT_S, Closed, Endpoint, ack_now, ack_ready, echo_back, echo_ready, hard_timeout,
+    host_array,
 )
 from mq.tools.bench_units import MAX_SIZE
 
@@ -56,6 +57,16 @@ class SocketEndpoint(Endpoint):
 
         out = torch.frombuffer(buf, dtype=torch.uint8)
         return out.to(device) if device.type != "cpu" else out
+
+    def _b_arrive(self, m: Any) -> Any:
+        """A CUDA payload sent as bytes goes back onto the GPU (what a user of the library
+        does); B echoes it from there (:meth:`_b_echo` takes it off again)."""
+        import torch
+
+        return self.gpu.ready(torch.frombuffer(self._b_buffer(m), dtype=torch.uint8))  # type: ignore[union-attr]
+
+    def _b_buffer(self, m: Any) -> Any:
+        return m
 
 
 class PynngEndpoint(SocketEndpoint):
@@ -151,7 +162,7 @@ class PynngEndpoint(SocketEndpoint):
             raise Closed() from None
 
     def _b_echo(self, m: Any) -> None:
-        self.tx.send(m)
+        self.tx.send(m if isinstance(m, bytes) else host_array(m).tobytes())
 
     def _b_counter(self, m: Any) -> int:
         return struct.unpack_from("<Q", m)[0]
@@ -234,8 +245,11 @@ class ZmqEndpoint(SocketEndpoint):
         except zmq.ZMQError as exc:
             raise Closed() from exc
 
+    def _b_buffer(self, m: Any) -> Any:
+        return m.buffer
+
     def _b_echo(self, m: Any) -> None:
-        self.sock.send(m, copy=False)
+        self.sock.send(host_array(m) if hasattr(m, "is_cuda") else m, copy=False)
 
     def _b_ack(self, value: Any) -> None:
         self.sock.send(struct.pack("<q", value))
@@ -278,16 +292,24 @@ class RpcEndpoint(Endpoint):
         return {"route": "auto"}
 
     def exchange(self, t: Any, timeout: float) -> tuple[int, Any]:
-        stage = t.device.type != "cpu" and not self.spec.get("device_maps")
+        """One ``rpc_sync``. A CUDA payload with device maps travels as a CUDA tensor (cuda:0
+        to cuda:0) and B's function makes it ready on the GPU (:func:`ack_ready`,
+        :func:`echo_ready`); without device maps it goes through host memory (staged)."""
+        maps = bool(self.spec.get("device_maps"))
+        stage = t.device.type != "cpu" and not maps
         echo = self.mode in ("roundtrip", "call")
+        if self.gpu is None:
+            fn = echo_back if echo else ack_now
+        else:
+            fn = (echo_ready if maps else echo_back) if echo else ack_ready
         t0 = time.perf_counter_ns()
-        out = self.rpc.rpc_sync(self.PEER, echo_back if echo else ack_now, args=(t.cpu() if stage else t,),
-                                timeout=timeout)
-        if stage and echo:
-            out = out.to(t.device)
+        out = self.rpc.rpc_sync(self.PEER, fn, args=(t.cpu() if stage else t,), timeout=timeout)
+        if echo and self.gpu is not None:
+            out = self.gpu.ready(out)  # the echo on the GPU, synchronized (staged: copied there)
         t1 = time.perf_counter_ns()
         if self.mode == "oneway":
+            if self.gpu is not None:  # [arrival time, the device B got it on]
+                out, where = out
+                self.gpu.seen.setdefault(int(t.nbytes), set()).add(where)
             self._arrival_ns = int(out) - t0
         return t1 - t0, out if echo else None
-
-

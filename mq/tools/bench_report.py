@@ -26,6 +26,7 @@ ROW_FIELDS = (
     "baseline", "baseline_p50_ms", "ratio", "skipped", "reason", "seconds", "link_bytes",
     "mode", "subscribers", "messages", "payloads", "bound_copies", "bound_ms", "ratio_bound", "msgs_per_s",
     "mb_per_s", "lossless", "arrival_p50_ms", "arrival_ratio",
+    "owned", "arrived_on", "bound_kind", "rpc_cuda_p50_ms", "rpc_cuda_ratio",
 )
 
 
@@ -40,10 +41,13 @@ class Report:
     config: dict[str, Any]
     targets: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+    # The GPU pass lines (mq.tools.bench_gpu.gpu_checks): name, value, limit, unit, passed,
+    # row, note; [] for a run without CUDA payloads.
+    checks: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"machine": self.machine, "config": self.config, "links": self.links,
-                "targets": self.targets, "notes": self.notes, "rows": self.rows}
+                "targets": self.targets, "checks": self.checks, "notes": self.notes, "rows": self.rows}
 
 
 
@@ -72,7 +76,10 @@ TARGETS = (
 
 
 def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """How the rows meet the TARGETS. Rows with CUDA payloads are left out: theirs are the GPU
+    pass lines (``Report.checks``)."""
     out = []
+    rows = [r for r in rows if r.get("device") != "cuda"]
     for text, limit, pick, *column in TARGETS:
         key = column[0] if column else "ratio"
         unit = "x" if key == "ratio" else " ms"
@@ -92,7 +99,7 @@ def row_label(r: dict[str, Any]) -> str:
     """``nng/auto->ipc``; other modes than round trip say so (``nng/ipc fanout x4``), and the
     bound says what it is."""
     if r["kind"] == "bound":
-        return "memcpy (bound)"
+        return "D2D copy cuda (bound)" if r["mq_type"] == "d2d" else "memcpy (bound)"
     route = r["route"]
     if r.get("resolved_route") and r["resolved_route"] != route and r["kind"] == "mq":
         route = f"{route}->{r['resolved_route']}"
@@ -100,7 +107,7 @@ def row_label(r: dict[str, Any]) -> str:
     dev = f" {r['device']}" if r["device"] != "cpu" else ""
     mode = r.get("mode") or "roundtrip"
     mode = "" if mode == "roundtrip" else f" {mode}" + (f" x{r['subscribers']}" if mode == "fanout" else "")
-    return f"{r['mq_type']}/{route}{mode}{dev}{where}"
+    return f"{r['mq_type']}/{route}{mode}{dev}{where}{' +copy' if r.get('owned') else ''}"
 
 
 def stream_note(r: dict[str, Any]) -> str:
@@ -112,9 +119,29 @@ def stream_note(r: dict[str, Any]) -> str:
 
 
 def bound_note(r: dict[str, Any]) -> str:
-    """What a row's ``x bound`` is relative to, e.g. ``bound: 2 memcpy``."""
+    """What a row's ``x bound`` is relative to, e.g. ``bound: 2 memcpy``, ``bound: 1 D2D copy``."""
     n = r.get("bound_copies")
-    return f"bound: {n} memcpy" if n and r["kind"] != "bound" else ""
+    what = "D2D copy" if r.get("bound_kind") == "d2d" else "memcpy"
+    return f"bound: {n} {what}" if n and r["kind"] != "bound" else ""
+
+
+def device_note(r: dict[str, Any]) -> str:
+    """Where a CUDA payload arrived, when not (only) on the GPU: ``arrived on cpu: staged
+    through host memory``; and ``view + copy`` for an owned row."""
+    parts = []
+    arrived = (r.get("arrived_on") or "").split(",")
+    if r.get("device") == "cuda" and "cpu" in arrived:
+        parts.append(f"arrived on {r['arrived_on']}: staged through host memory")
+    if r.get("owned"):
+        parts.append("view + copy into an owned tensor")
+    return "; ".join(parts)
+
+
+def rpc_cuda_note(r: dict[str, Any]) -> str:
+    """``1.8x raw rpc-cuda`` for a CUDA row compared with raw torch RPC cuda (not its baseline)."""
+    if r.get("rpc_cuda_ratio") is None or (r.get("baseline") or "").startswith("raw:rpc-cuda"):
+        return ""
+    return f"{r['rpc_cuda_ratio']:.3g}x raw rpc-cuda"
 
 
 def arrival_note(r: dict[str, Any]) -> str:
@@ -128,7 +155,8 @@ def arrival_note(r: dict[str, Any]) -> str:
 def row_note(r: dict[str, Any]) -> str:
     """The note column: why a row was skipped, stream throughput, one-way arrival, and what
     its bound is."""
-    return "; ".join(x for x in (r["reason"], stream_note(r), arrival_note(r), bound_note(r)) if x)
+    return "; ".join(x for x in (r["reason"], device_note(r), stream_note(r), arrival_note(r),
+                                 rpc_cuda_note(r), bound_note(r)) if x)
 
 
 # ================================================================================== machine
@@ -230,6 +258,33 @@ def pivot(report: Report, what: str = "p50") -> tuple[list[str], list[tuple[str,
     return sizes, [(label, [cells.get(s, "") for s in sizes]) for label, cells in table.items()]
 
 
+def gpu_pivot(report: Report) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """The CUDA rows (and their D2D bound) as rows x sizes, cells ``p50 ms (x bound, x rpc)``:
+    the ratio to the device-to-device copy bound and to raw torch RPC cuda, same run."""
+    mine = [r for r in report.rows if r.get("device") == "cuda"]
+    sizes: list[str] = list(dict.fromkeys(r["size"] for r in mine))
+    table: dict[str, dict[str, str]] = {}
+    for r in mine:
+        cell = "skipped" if r["p50_ms"] is None else fmt_ms(r["p50_ms"])
+        ratios = [f"{v:.2f}x {what}" for v, what in ((r.get("ratio_bound"), "D2D"),
+                                                     (r.get("rpc_cuda_ratio"), "rpc"))
+                  if v is not None and r["kind"] != "bound"]
+        if ratios:
+            cell += f" ({', '.join(ratios)})"
+        if r["skipped"] and r["p50_ms"] is not None:
+            cell += "*"
+        table.setdefault(row_label(r), {})[r["size"]] = cell
+    return sizes, [(label, [cells.get(s, "") for s in sizes]) for label, cells in table.items()]
+
+
+def check_line(c: dict[str, Any]) -> str:
+    """``PASS: nng/auto 1.25 GB one way <= 2x the D2D copy bound: 1.43x (row ...)``."""
+    mark = "PASS" if c["passed"] else ("NO DATA" if c["value"] is None else "FAIL")
+    value = "-" if c["value"] is None else f"{c['value']:.3g}{c['unit']}"
+    tail = "; ".join(x for x in (c.get("row"), c.get("note")) if x)
+    return f"{mark}: {c['name']}: {value}" + (f" ({tail})" if tail else "")
+
+
 def machine_line(m: dict[str, Any]) -> str:
     return (f"{m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB, kernel "
             f"{m.get('kernel')}, Python {m.get('python')}, torch {m.get('torch')}, pynng "
@@ -251,7 +306,8 @@ def to_markdown(report: Report) -> str:
             "for all N acks (raw:pynng: Pub0 to N Sub0 processes, acks over Push0/Pull0). stream: one sample is a burst of small messages, ordered and checked, "
             "acked once. Ratio = mq p50 / raw p50 of its baseline, measured interleaved in the same "
             "run (fan-out N: / the same fan-out to 1). x bound = p50 / the physical bound, one "
-            "memcpy into warm memory measured in the same run, times the memcpys the note says. "
+            "memcpy into warm memory (CUDA payloads: one device-to-device copy) measured in the "
+            "same run, times the copies the note says. "
             "Gbit/s = payloads moved x size / p50. `*` = stopped by --max-seconds before its target "
             "sample count."), ""]
     if report.links:
@@ -266,6 +322,18 @@ def to_markdown(report: Report) -> str:
             "|---|" + "---|" * len(sizes)]
     out += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in prow]
     out.append("")
+    gsizes, grows = gpu_pivot(report)
+    if grows:
+        out += ["## CUDA payloads: p50 ms (x the D2D copy bound, x raw torch RPC cuda)", "",
+                ("Every receiver synchronizes its current stream before a CUDA payload counts as "
+                 "arrived (the view ready); `+copy` rows also copy it into an owned CUDA tensor first "
+                 "(TensorPipe hands over an owned tensor). The bound is one device-to-device copy "
+                 "into a warm tensor, timed by CUDA events in the same run."), "",
+                "| row | " + " | ".join(gsizes) + " |", "|---|" + "---|" * len(gsizes)]
+        out += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in grows]
+        out.append("")
+    if report.checks:
+        out += ["## Pass lines", ""] + [f"- {check_line(c)}" for c in report.checks] + [""]
     if report.targets:
         out += ["## Targets", ""]
         for t in report.targets:
@@ -340,7 +408,7 @@ def plot(report: Report, path: str) -> str:
     ax2.legend(fontsize=7)
     ax3.set_yscale("log")
     ax3.axhline(1.0, color="k", lw=0.8, ls=":")
-    ax3.set_ylabel("p50 / physical bound (memcpy into warm memory)")
+    ax3.set_ylabel("p50 / physical bound (memcpy, or D2D copy for cuda rows)")
     ax3.set_title("x bound (1 = as fast as the memcpys the row needs)")
     fig.suptitle(machine_line(report.machine), fontsize=8)
     fig.tight_layout()

@@ -27,7 +27,7 @@ def _p50(res: SizeResult | None) -> float | None:
     return _stats(res.samples_ns)["p50_ms"] if res is not None and res.samples_ns else None
 
 
-def _row(c: Case, size: int, bound: Case, messages: int) -> dict[str, Any]:
+def _row(c: Case, size: int, bound: Case | None, messages: int) -> dict[str, Any]:
     res = c.results.get(size) or SizeResult(skipped=c.unavailable or "not run")
     moved, memcpys = c.copies(messages)
     row: dict[str, Any] = {
@@ -44,6 +44,10 @@ def _row(c: Case, size: int, bound: Case, messages: int) -> dict[str, Any]:
         "messages": messages if c.mode == "stream" else None, "payloads": moved, "bound_copies": memcpys,
         "bound_ms": None, "ratio_bound": None, "msgs_per_s": None, "mb_per_s": None,
         "lossless": None, "arrival_p50_ms": None, "arrival_ratio": None,
+        "owned": c.owned if c.device == "cuda" and c.kind == "mq" else None,
+        "arrived_on": ",".join(sorted(res.arrived_on)) or None,
+        "bound_kind": bound.mq_type if bound is not None else None,
+        "rpc_cuda_p50_ms": None, "rpc_cuda_ratio": None,
     }
     if c.mode == "stream" and (res.samples_ns or "lost or reordered" in (res.skipped or "")):
         row["lossless"] = "lost or reordered" not in (res.skipped or "")  # B checks every counter
@@ -65,7 +69,7 @@ def _row(c: Case, size: int, bound: Case, messages: int) -> dict[str, Any]:
         base = c.baseline.results.get(size) if c.baseline is not None else None
         if base is not None and base.arrival_ns:
             row["arrival_ratio"] = round(row["arrival_p50_ms"] / _stats(base.arrival_ns)["p50_ms"], 4)
-    bound_p50 = _p50(bound.results.get(size))
+    bound_p50 = _p50(bound.results.get(size)) if bound is not None else None
     if bound_p50:
         row["bound_ms"] = _ms(memcpys * bound_p50)
         row["ratio_bound"] = round(st["p50_ms"] / (memcpys * bound_p50), 4)
@@ -78,16 +82,34 @@ def _ms(value: float) -> float:
     return float(f"{value:.6g}")
 
 
-_ORDER = {"memcpy": -1, "nng": 0, "raw:pynng": 1, "raw:pyzmq": 2, "torchrpc:cpu": 3, "raw:rpc": 4,
+_ORDER = {"memcpy": -2, "d2d": -1, "nng": 0, "raw:pynng": 1, "raw:pyzmq": 2, "torchrpc:cpu": 3, "raw:rpc": 4,
           "torchrpc:cuda": 5, "raw:rpc-cuda": 6}
 _ROUTE_ORDER = {"auto": 0, "tcp": 1, "ipc": 2, "handle": 3}
 _MODE_ORDER = ("bound", *MODES)
 
 
-def report_rows(cases: list[Case], bound: Case, cfg: Any) -> list[dict[str, Any]]:
-    """Every row of the report: each case at each of its sizes (``cfg``: the BenchConfig)."""
+def report_rows(cases: list[Case], bounds: dict[str, Case], cfg: Any) -> list[dict[str, Any]]:
+    """Every row of the report: each case at each of its sizes (``cfg``: the BenchConfig). A
+    row's ``x bound`` is to the bound of its payload's device (``bounds``: device -> bound case;
+    memcpy for CPU payloads, the device-to-device copy for CUDA ones)."""
     ordered = sorted(cases, key=lambda c: (
         _MODE_ORDER.index(c.mode), HOSTS.index(c.hosts), _ORDER.get(c.mq_type, 9),
-        _ROUTE_ORDER.get(c.route, 9), -c.subscribers, c.device))
-    return [_row(c, s, bound, cfg.messages) for c in ordered
-            for s in (cfg.all_sizes() if c is bound else cfg.sizes_for(c.mode))]
+        _ROUTE_ORDER.get(c.route, 9), -c.subscribers, c.owned, c.device))
+    rows = [_row(c, s, c if c.kind == "bound" else bounds.get(c.device), cfg.messages) for c in ordered
+            for s in (cfg.all_sizes() if c.kind == "bound" else cfg.sizes_for(c.mode))]
+    add_rpc_cuda_ratios(rows)
+    return rows
+
+
+def add_rpc_cuda_ratios(rows: list[dict[str, Any]]) -> None:
+    """Give every mq row with a CUDA payload its p50 over the raw torch RPC cuda row (TensorPipe
+    with device maps) of the same mode, hosts and size, measured in the same run: the GPU
+    transport to beat, whatever the row's own baseline (raw pynng for nng)."""
+    raw = {(r["mode"], r["hosts"], r["size_bytes"]): r["p50_ms"] for r in rows
+           if r["kind"] == "raw" and r["mq_type"] == "raw:rpc-cuda" and r["p50_ms"]}
+    for r in rows:
+        ref = raw.get((r["mode"], r["hosts"], r["size_bytes"]))
+        if r["kind"] == "mq" and r["device"] == "cuda" and ref:
+            r["rpc_cuda_p50_ms"] = ref
+            if r["p50_ms"] is not None:
+                r["rpc_cuda_ratio"] = round(r["p50_ms"] / ref, 4)

@@ -56,6 +56,37 @@ class _BoundEndpoint(Endpoint):
         super().free()
 
 
+class _D2DBoundEndpoint(Endpoint):
+    """The physical bound of CUDA rows, in A alone: one ``dst.copy_(src)`` of the payload into
+    a warm CUDA tensor of the same size on the same GPU (allocated and written once per size),
+    timed by CUDA events around the copy (device time: no launch or host sync in it)."""
+
+    _dst: Any = None
+    _events: Any = None
+
+    def connect(self, peer: dict[str, Any]) -> dict[str, Any]:
+        return {"route": "warm"}
+
+    def exchange(self, t: Any, timeout: float) -> tuple[int, Any]:
+        import torch
+
+        if self._dst is None or self._dst.numel() != t.numel():
+            self._dst = None
+            self._dst = torch.zeros_like(t)
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            torch.cuda.synchronize()
+        start, end = self._events
+        start.record()
+        self._dst.copy_(t)
+        end.record()
+        end.synchronize()
+        return round(start.elapsed_time(end) * 1e6), None
+
+    def free(self) -> None:
+        self._dst = None
+        super().free()
+
+
 class _MqEndpoint(Endpoint):
     """``mq.create(mq_type, ...)``: A is node 0, B (or fan-out subscriber ``index``) node
     1 + index. Route ``handle`` sends a payload allocated in mq's shared-memory pool."""
@@ -126,8 +157,15 @@ class _MqEndpoint(Endpoint):
             import numpy as np
 
             self._slot = None
-            self._slot = self.q.alloc((size,), np.uint8)
-            self._slot[:] = t.numpy()
+            if t.is_cuda:  # mq's CUDA pool (pool_api_missing checked alloc takes a device)
+                import torch
+
+                self._slot = self.q.alloc((size,), torch.uint8, device=str(t.device))
+                self._slot.copy_(t)
+                torch.cuda.synchronize()
+            else:
+                self._slot = self.q.alloc((size,), np.uint8)
+                self._slot[:] = t.numpy()
         return self._slot
 
     def free(self) -> None:
@@ -161,6 +199,17 @@ class _MqEndpoint(Endpoint):
         self.q.send(1, "bench", {"i": i, "x": x}, timeout=self._timeout)
 
     # -- B
+    def _b_arrive(self, m: Any) -> Any:
+        import types
+
+        try:
+            t = self.gpu.ready(m.payload)  # type: ignore[union-attr]
+        except Exception as exc:  # tell A at once (its next receive raises it), not by a timeout
+            self.q.send(m.sender, "ack" if self.mode != "roundtrip" else m.topic,
+                        f"receiver: {exc}", timeout=CONNECT_TIMEOUT_S)
+            return None
+        return types.SimpleNamespace(sender=m.sender, topic=m.topic, payload=t)
+
     def _b_recv(self, timeout: float) -> Any:
         import mq
 
@@ -292,7 +341,7 @@ class _LinkEndpoint(Endpoint):
 
 
 _ENDPOINTS = {"mq": _MqEndpoint, "pynng": PynngEndpoint, "zmq": ZmqEndpoint, "rpc": RpcEndpoint,
-              "bound": _BoundEndpoint, "link": _LinkEndpoint}
+              "bound": _BoundEndpoint, "d2d": _D2DBoundEndpoint, "link": _LinkEndpoint}
 
 
 def worker(role: str, spec: dict[str, Any], conn: Any) -> None:
@@ -317,6 +366,7 @@ def worker(role: str, spec: dict[str, Any], conn: Any) -> None:
                 break  # the orchestrator is gone
             op, arg = cmd
             if op == "connect":
+                ep.warm_device()
                 conn.send(("ready", ep.connect(arg)))
             elif op == "batch":
                 conn.send(("batch", ep.batch(**arg)))
@@ -327,7 +377,8 @@ def worker(role: str, spec: dict[str, Any], conn: Any) -> None:
                 ep.free()
                 conn.send(("ok", None))
             elif op == "stop":
-                conn.send(("stopped", {"error": ep.error}))
+                # B's receipts end here: the devices its payloads arrived on, per size.
+                conn.send(("stopped", {"error": ep.error, "arrived_on": ep.arrived()}))
                 break
     except BaseException as exc:  # report, then die: the orchestrator decides what it means
         with contextlib.suppress(Exception):
