@@ -551,8 +551,14 @@ class Frame:
         self.size = offsets[-1] + sizes[-1] if sizes else 4 + len(self.header)
         self.nbytes = len(self.header) + inline  # header plus inline bytes: what crosses the transport
         # Holds CUDA tensors: the sender must give each peer descriptors or a staged copy.
-        self.gpu = bool(buffers) and torch is not None and any(
-            type(b) is torch.Tensor and b.is_cuda for b in buffers)
+        # (A plain loop: this runs per frame, see scripts/hotpath.)
+        gpu = False
+        if torch is not None:
+            for b in buffers:
+                if type(b) is torch.Tensor and b.is_cuda:
+                    gpu = True
+                    break
+        self.gpu = gpu
 
     @classmethod
     def build(cls, kind: int, topic: str, sender: int, seq: int, corr: int, tree: bytes,
@@ -568,14 +574,18 @@ class Frame:
         head = self.head[:7] + [sizes, descs, self.head[9]]
         return Frame(self.kind, head, buffers, sizes)
 
-    def staged(self) -> "Frame":
-        """This frame with its CUDA tensors copied to host memory (one copy, cached: publish
-        stages once for all peers that need it)."""
-        out = self.layout.get("staged")
+    def staged(self, skip: Any = ()) -> "Frame":
+        """This frame with its CUDA tensors copied to host memory, but those at the indices in
+        ``skip`` (they go by descriptor). One copy, cached: publish stages once for all the
+        peers that need it."""
+        key = ("staged", *sorted(skip))
+        out = self.layout.get(key)
         if out is None:
-            buffers = [_tensor_bytes(b.cpu()) if type(b) is torch.Tensor and b.is_cuda else b
-                       for b in self.buffers]
-            out = self.layout["staged"] = Frame(self.kind, self.head, buffers, self.sizes)
+            cuda = [i for i, b in enumerate(self.buffers) if type(b) is torch.Tensor and b.is_cuda and i not in skip]
+            if not cuda:
+                return self
+            buffers = [_tensor_bytes(b.cpu()) if i in cuda else b for i, b in enumerate(self.buffers)]
+            out = self.layout[key] = Frame(self.kind, self.head, buffers, self.sizes)
         return out
 
     def write_into(self, out: memoryview) -> None:

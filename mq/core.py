@@ -33,6 +33,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterable
 
 from mq import auth as _auth
+from mq import cuda_ipc as _cuda_ipc
 from mq import fanout as _fanout
 from mq import metrics as _metrics
 from mq import shm as _shm
@@ -80,6 +81,8 @@ class MQ:
             False stages them through host memory.
         cuda_pool_bytes: bound of this node's pool on each GPU it sends from (default: a
             sixteenth of the GPU's memory, at most 4 GiB); it is also the backpressure bound.
+        cuda_inline_max: GPU tensors smaller than this are staged through host memory even
+            to nvlink peers (default 64 KiB: measured, a small copy beats a descriptor there).
         queue_bytes: bound in bytes of each receive queue (messages of 64 KiB and more count;
             smaller ones are bounded by ``queue_size``); a full queue is backpressure.
         secret: the job secret peers must prove they know (default: ``MQ_SECRET``, else a
@@ -99,6 +102,7 @@ class MQ:
                  shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES,
                  shm_inline_max: int = _shm.DEFAULT_INLINE_MAX, queue_bytes: int = 256 << 20,
                  cuda: bool = True, cuda_pool_bytes: int | None = None,
+                 cuda_inline_max: int = _cuda_ipc.DEFAULT_INLINE_MAX,
                  secret: str | bytes | None = None, insecure: bool = False,
                  heartbeat: float = 1.0, peer_timeout: float = 4.0, mq_type: str | None = None,
                  relay_min_bytes: int | None = _fanout.DEFAULT_RELAY_MIN_BYTES, relay_shape: str = "tree"):
@@ -128,6 +132,7 @@ class MQ:
         self._sender = sender = Sender(node_id, transport, self.codec, peers, life, stats, metrics,
                                        shm=shm, shm_options=(shm_pool_bytes, shm_inline_max),
                                        cuda=cuda, cuda_pool_bytes=cuda_pool_bytes,
+                                       cuda_inline_max=cuda_inline_max,
                                        incarnation=self.incarnation)
         self._calls = calls = Calls(node_id, sender, peers, transport, self.codec, life, stats, refusals,
                                     handler_threads=handler_threads, timeout=self.timeout)

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from mq import cuda_ipc
 from mq.errors import ConfigError, MQError, ProtocolError
+from mq.options import check_int
 from mq.peers import Peer, PeerTable
 
 log = logging.getLogger("mq")
@@ -36,9 +37,9 @@ log = logging.getLogger("mq")
 VERDICT_WAIT_S = 30.0
 
 
-def cuda_buffers(buffers: list[Any], sizes: list[int]) -> list[int]:
-    """Indices of the non-empty CUDA tensors among a frame's buffers."""
-    return [i for i, b in enumerate(buffers) if sizes[i] and getattr(b, "is_cuda", False)]
+def cuda_buffers(buffers: list[Any], sizes: list[int], at_least: int = 1) -> list[int]:
+    """Indices of the CUDA tensors of at least ``at_least`` bytes among a frame's buffers."""
+    return [i for i, b in enumerate(buffers) if sizes[i] >= at_least and getattr(b, "is_cuda", False)]
 
 
 class GpuPath:
@@ -50,15 +51,18 @@ class GpuPath:
             (called from garbage collection; must not block).
         enabled: ``cuda=`` of :func:`mq.create`.
         pool_bytes: each pool's bound (None: min(4 GiB, a sixteenth of the GPU)).
+        inline_max: GPU tensors smaller than this are staged through host memory.
     """
 
     def __init__(self, node_id: int, peers: PeerTable, send_control: Callable[[int, Any, float], None],
                  release: Callable[[int, int, int, Any], None], *, enabled: bool,
-                 pool_bytes: int | None, incarnation: str):
+                 pool_bytes: int | None, incarnation: str, inline_max: int = cuda_ipc.DEFAULT_INLINE_MAX):
         if type(enabled) is not bool:
             raise ConfigError(f"cuda must be True or False, got {enabled!r}")
         if pool_bytes is not None:
             cuda_ipc.check_pool_bytes(pool_bytes)
+        check_int(inline_max, "cuda_inline_max", minimum=0, unit="bytes")
+        self.inline_max = max(1, inline_max)
         self.node_id = node_id
         self._peers = peers
         self._send_control = send_control
@@ -79,7 +83,8 @@ class GpuPath:
               deadline: float) -> tuple[list[int], dict[int, list[Any]]]:
         """Descriptors for the CUDA buffers of a frame: ``(peers that get them, {index:
         descriptor})``. The other peers get those buffers staged through host memory."""
-        idx = cuda_buffers(buffers, sizes)
+        # Small tensors are staged, unless they lie in our pool already (alloc: no copy at all).
+        idx = [i for i in cuda_buffers(buffers, sizes) if sizes[i] >= self.inline_max or self._in_pool(buffers[i])]
         candidates = [p for p in peers if self._nvlink(p)]
         if not idx or not candidates or self.unavailable:
             return [], {}
@@ -137,6 +142,10 @@ class GpuPath:
                 self._note_staged([p.node_id for p in self._peers.list()], self.unavailable)
                 return None
             return pool
+
+    def _in_pool(self, tensor: Any) -> bool:
+        ptr = tensor.data_ptr()
+        return any(p.base <= ptr < p.base + p.max_bytes for p in list(self.pools.values()))
 
     def _pool_by_id(self, pool_id: Any) -> cuda_ipc.DevicePool | None:
         for pool in list(self.pools.values()):

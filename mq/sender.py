@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from mq import cuda_ipc as _cuda_ipc
 from mq import metrics as _metrics
 from mq import shm as _shm
 from mq.codec import GPU_POOL, MSG, RELAY, REP_ERR, REP_OK, REQ, RELEASE, Codec, Frame
@@ -44,13 +45,15 @@ class Sender:
     Args:
         shm_options: ``(pool_bytes, inline_max)`` of the pool :meth:`open_pool` makes.
         shm: whether to make one at all (``shm_unavailable`` says why not).
-        cuda, cuda_pool_bytes, incarnation: the cuda_ipc path's (:class:`~mq.gpu_path.GpuPath`).
+        cuda, cuda_pool_bytes, cuda_inline_max, incarnation: the cuda_ipc path's
+            (:class:`~mq.gpu_path.GpuPath`).
     """
 
     def __init__(self, node_id: int, transport: Transport, codec: Codec, peers: PeerTable,
                  life: Lifecycle, stats: Stats, metrics: _metrics.Metrics, *,
                  shm: bool, shm_options: tuple[int, int], cuda: bool = True,
-                 cuda_pool_bytes: int | None = None, incarnation: str = ""):
+                 cuda_pool_bytes: int | None = None, cuda_inline_max: int = _cuda_ipc.DEFAULT_INLINE_MAX,
+                 incarnation: str = ""):
         _shm.Pool.check_options(*shm_options)
         self.node_id = node_id
         self._transport = transport
@@ -71,7 +74,7 @@ class Sender:
         # Transports that carry tensors themselves (torch RPC) stage or map GPU tensors their way.
         self._stages_gpu = not transport.keeps_tensors
         self.gpu = GpuPath(node_id, peers, self._send_gpu_pool, self._gpu_released, enabled=cuda,
-                           pool_bytes=cuda_pool_bytes, incarnation=incarnation)
+                           pool_bytes=cuda_pool_bytes, inline_max=cuda_inline_max, incarnation=incarnation)
 
     # ------------------------------------------------------------------ frames
     def encode(self, kind: int, topic: str, payload: Any, corr: int = 0) -> Frame:
@@ -136,7 +139,8 @@ class Sender:
         that opened our pool (one device copy shared by all of them), staged through host to
         the others (one host copy, unless the transport carries tensors itself). Large CPU
         buffers, staged ones too, go by shm descriptor to peers that read our pool (one copy
-        shared by all of them), inline to the others."""
+        shared by all of them), inline to the others. GPU tensors under ``cuda_inline_max`` are
+        staged for every peer."""
         gpu_peers: list[int] = []
         if frame.gpu:
             gpu_peers, held.gpu = self.gpu.place(peers, frame.buffers, frame.sizes, deadline)
@@ -167,7 +171,8 @@ class Sender:
             if f is None:
                 shm_descs = ({**cpu_descs} if key[0] else {**cpu_descs, **staged_descs}) if key[1] else {}
                 descs = {**held.gpu, **shm_descs} if key[0] else shm_descs
-                base = frame if key[0] else host
+                # nvlink peers get the small GPU tensors staged too, the large ones by descriptor
+                base = (frame.staged(skip=held.gpu) if self._stages_gpu else frame) if key[0] else host
                 f = made[key] = base.with_descriptors(descs) if descs else base
             frames[p] = f
         return frames

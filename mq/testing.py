@@ -263,6 +263,31 @@ def free_port_run(width: int = 1) -> int:
     raise RuntimeError(f"no run of {width} free ports in 10000..30000")
 
 
+def read_line(proc: Any, timeout: float = 30.0) -> str:
+    """The next line a peer process (``Popen`` with text pipes) prints, within ``timeout``; it is
+    killed, and its stderr's tail shown, when it prints nothing or exits."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        proc.kill()
+        raise AssertionError(f"peer printed nothing in {timeout}s: {proc.stderr.read()[-3000:]}")
+    line = proc.stdout.readline().strip()
+    assert line, f"peer exited: {proc.stderr.read()[-3000:]}"
+    return line
+
+
+def stop_processes(*procs: Any) -> None:
+    """Kill and reap peer processes (``Popen`` with pipes) and close their pipes."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+        p.stdout.close()
+        p.stderr.close()
+
+
 def wait_until(cond: Any, timeout: float = 10.0) -> bool:
     """Poll ``cond()`` until it is true or ``timeout`` seconds pass (never a bare sleep)."""
     deadline = time.monotonic() + timeout

@@ -390,3 +390,20 @@ def test_tensorpipe_socket_ifname():
     assert tensorpipe_options(me, {}, cuda=False, socket_ifname="ib0")["env"] == {"TP_SOCKET_IFNAME": "ib0"}
     with pytest.raises(ConfigError, match="'ib9' is not a network interface.*eth0, ib0, lo"):
         tensorpipe_options(me, {}, cuda=False, socket_ifname="ib9")
+
+
+def test_torchrpc_cuda_gives_tensorpipe_no_device_map_for_nvlink_peers():
+    # Same-host GPU payloads take mq's descriptors: TensorPipe needs no map (nor CUDA streams
+    # per RPC) for those peers; peers on other hosts keep theirs.
+    from types import SimpleNamespace
+
+    from mq.backends.torchrpc.transport import TorchRpcTransport
+
+    me = node(gpus=TWO_GPUS_P2P)
+    remote = {1: node(pid=200, gpus=TWO_GPUS_P2P), 2: node(boot_id=BOOT_B, gpus=TWO_GPUS_P2P),
+              3: node(pid=300, pid_ns="pid:[4026532999]", gpus=TWO_GPUS_P2P)}
+    fake = SimpleNamespace(device="cuda", locality=me, routes=BACKEND_ROUTES["torchrpc"],
+                           device_maps={1: {0: 0}, 2: {0: 1}, 3: {1: 1}})
+    assert TorchRpcTransport._maps_for_tensorpipe(fake, remote) == {2: {0: 1}, 3: {1: 1}}
+    fake.device = "cpu"
+    assert TorchRpcTransport._maps_for_tensorpipe(fake, remote) == {}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mq
-from mq.testing import wait_until
+from mq.testing import read_line, stop_processes, wait_until
 from mq.errors import ProtocolError
 from mq.shm import Pool, PoolReader, ReleaseQueue
 
@@ -153,25 +153,10 @@ def _spawn(node_id: int, address: str, mode: str, pre: list[str] | None = None) 
 
 
 def _line(proc: subprocess.Popen, timeout: float = 30.0) -> str:
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout):
-        proc.kill()
-        raise AssertionError(f"peer printed nothing in {timeout}s: {proc.stderr.read()[-2000:]}")
-    line = proc.stdout.readline().strip()
-    assert line, f"peer exited: {proc.stderr.read()[-2000:]}"
-    return line
+    return read_line(proc, timeout)
 
 
-def _stop(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
-        p.stdout.close()
-        p.stderr.close()
+_stop = stop_processes
 
 
 def _pool_maps(pid: int) -> int:

@@ -70,7 +70,7 @@ from mq.codec import Frame
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.locality import Locality, local
 from mq.rendezvous import Rendezvous
-from mq.routing import BACKEND_ROUTES, Route
+from mq.routing import BACKEND_ROUTES, Route, select_route
 from mq.transport import Events, Receipt, Transport
 
 log = logging.getLogger("mq.torchrpc")
@@ -132,6 +132,7 @@ class TorchRpcTransport(Transport):
         self.locality: Locality = local()
         self.local_cuda_devices = list(options.local_cuda_devices) if options.local_cuda_devices is not None else None
         self.device_maps = options.device_maps_for(node_id)
+        self.tp_device_maps: dict[int, dict[int, int]] = {}  # what TensorPipe gets (see _maps_for_tensorpipe)
         self.incarnation = uuid.uuid4().hex
         self.tp_options: dict[str, Any] = {}
         peers = [p for p in range(world_size) if p != node_id]
@@ -202,15 +203,28 @@ class TorchRpcTransport(Transport):
             log.info("node %d: TensorPipe without %s", self.node_id,
                      "; ".join(f"{n} ({tp['dropped'][n]})" for n in needed))
             kwargs = {"_transports": tp["_transports"], "_channels": tp["_channels"]}
+        self.tp_device_maps = self._maps_for_tensorpipe(remote)
         devices = None
-        if cuda and self.local_cuda_devices:
+        if cuda and self.local_cuda_devices and self.tp_device_maps:
             devices = list(self.local_cuda_devices)
         opts = rpc.TensorPipeRpcBackendOptions(
             num_worker_threads=self.num_worker_threads, rpc_timeout=self.rpc_timeout,
             init_method=self.init_method, devices=devices, **kwargs)
-        for peer, mapping in self.device_maps.items():
+        for peer, mapping in self.tp_device_maps.items():
             opts.set_device_map(f"mq{peer}", dict(mapping))
         return opts
+
+    def _maps_for_tensorpipe(self, remote: Mapping[int, Locality]) -> dict[int, dict[int, int]]:
+        """The device maps TensorPipe gets: none for peers whose GPU payloads take mq's
+        cuda_ipc path (route nvlink), whose RPCs then carry only CPU bytes. An agent with
+        devices runs CUDA streams and events for every RPC, GPU tensors or not: the small
+        message pays for them. A peer left without a map whose nvlink route fails later gets
+        its GPU tensors staged through host memory (:func:`~.wire.buffers_for`)."""
+        if self.device != "cuda":
+            return {}
+        return {peer: mapping for peer, mapping in self.device_maps.items()
+                if peer not in remote or select_route(self.locality, remote[peer], supported=self.routes,
+                                                      peer=peer).gpu != "nvlink"}
 
     def _init_rpc(self, remote: Mapping[int, Locality]) -> None:
         from torch.distributed import rpc
@@ -293,7 +307,7 @@ class TorchRpcTransport(Transport):
         return to_rpc(frame, staged=self.device == "cpu", copy_threshold=self.copy_threshold, borrow=borrow)
 
     def _buffers_for(self, peer: int, out: Outgoing) -> list[torch.Tensor]:
-        return buffers_for(out, self.device_maps.get(peer, {}) if self.device == "cuda" else None)
+        return buffers_for(out, self.tp_device_maps.get(peer, {}) if self.device == "cuda" else None)
 
     def send(self, peer: int, frame: Frame, timeout: float) -> Receipt | None:
         link = self._links.get(peer)
