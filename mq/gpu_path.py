@@ -94,9 +94,10 @@ class GpuPath:
             pool = pools.get(device) or self._pool(device)
             if pool is None:
                 return [], {}
-            if not pool.fits(sizes[i]):
-                self._note_staged(candidates, f"a {sizes[i]}-byte tensor is larger than the CUDA pool "
-                                  f"({pool.max_bytes} bytes): raise cuda_pool_bytes")
+            if not pool.fits(sizes[i]):  # this frame is staged; the route stays nvlink
+                self.stats["staged_frames"] += 1
+                self._note(candidates, f"tensors larger than the CUDA pool ({pool.max_bytes} bytes) are "
+                           "staged through host: raise cuda_pool_bytes")
                 return [], {}
             pools[device] = pool
         ready = [p for p in candidates if all(self._opened(p, pool, deadline) for pool in pools.values())]
@@ -192,6 +193,14 @@ class GpuPath:
                                              f"not nvlink: {why}")
             self._peers.changed.notify_all()
 
+    def _note(self, peers: list[int], text: str) -> None:
+        """Add ``text`` to the route's reason of ``peers`` (once)."""
+        with self._peers.changed:
+            for peer in peers:
+                p = self._peers.get(peer)
+                if p is not None and p.route is not None and text not in p.route.reason:
+                    p.route = replace(p.route, reason=f"{p.route.reason}; {text}")
+
     def on_verdict(self, peer: int, payload: dict[str, Any]) -> None:
         pool_id, error = payload.get("verdict"), payload.get("error")
         key = (peer, pool_id)
@@ -285,6 +294,11 @@ class GpuPath:
                 self._asked.pop(key, None)
             self._cond.notify_all()
         if peer.gpu_reader is not None:
+            live = peer.gpu_reader.live_views()
+            if live:
+                log.warning("node %d: node %d is gone while %d view(s) of its GPU memory are held here: "
+                            "their contents are undefined now (clone() what you keep)",
+                            self.node_id, peer.node_id, live)
             peer.gpu_reader.close()
 
     def pool_for(self, device: int) -> cuda_ipc.DevicePool:

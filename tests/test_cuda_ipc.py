@@ -266,3 +266,26 @@ def test_forged_cuda_descriptors_and_offers_from_a_peer_are_dropped_and_both_kee
             assert wait_until(lambda: a.stats().dropped_malformed >= 1)
             b.send(0, "x", 1)
             a.subscribe("x")
+
+
+def test_a_tensor_larger_than_the_pool_is_staged_and_the_route_says_so_but_stays_nvlink():
+    path, _ = _path()
+
+    class _Pool:  # the bookkeeping face of a 1 MiB DevicePool: no CUDA needed to refuse
+        max_bytes = MB
+
+        def fits(self, n: int) -> bool:
+            return 0 < n <= self.max_bytes
+
+    class _Big:  # what place() reads of a CUDA tensor
+        is_cuda = True
+        device = type("D", (), {"index": 0})()
+
+        def data_ptr(self) -> int:
+            return 1 << 40
+
+    path.pools[0] = _Pool()
+    assert path.place([1], [_Big()], [2 * MB], deadline=0.0) == ([], {})
+    route = path._peers.get(1).route
+    assert route.gpu == "nvlink" and "raise cuda_pool_bytes" in route.reason
+    assert path.stats["staged_frames"] == 1
