@@ -575,7 +575,9 @@ class PeerPools:
         self.peer_uuids = frozenset(peer_uuids)
         self._on_release = on_release
         self._pools: dict[int, _Opened] = {}
-        self._lock = threading.Lock()
+        # Reentrant: a view's finalizer takes it, and the cyclic GC may run that finalizer on
+        # any allocation, inside a section that already holds it.
+        self._lock = threading.RLock()
         self._closed = False
         self.refused = 0
         self.opens = 0
