@@ -139,7 +139,7 @@ class _Context:
         ctx = self.ffi.new("CUcontext *")
         self.check(self.lib.cuDevicePrimaryCtxRetain(ctx, dev[0]), "cuDevicePrimaryCtxRetain")
         self.ctx = ctx[0]
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: see PeerPools._lock
 
     def check(self, rc: int, what: str) -> None:
         _check(self.ffi, self.lib, rc, what)
