@@ -13,7 +13,7 @@ setup(
     description="Point-to-point messaging for distributed reinforcement learning (NNG and torch RPC backends)",
     python_requires=">=3.10",
     # cli/ sits at the top of the repo but installs as mq.cli: no top-level `cli` in site-packages.
-    packages=["mq", "mq.backends", "mq.tools", "mq.cli"],
+    packages=["mq", "mq.backends", "mq.tools", "mq.cli", "mq.integrations"],
     package_dir={"mq": "mq", "mq.cli": "cli"},
     install_requires=[
         "numpy>=1.24",

@@ -1,0 +1,316 @@
+"""DI-engine on mq: a message queue for ``ding.framework.Parallel`` and ``ditask``.
+
+Importing this module (once, in the module that holds your main function) does two things:
+
+1. It registers ``mq:nng``, ``mq:torchrpc:cpu`` and ``mq:torchrpc:cuda`` in DI-engine's
+   ``ding.utils.MQ_REGISTRY``: classes with DI-engine's six-method MQ interface (``listen``,
+   ``publish(topic, bytes)``, ``subscribe``, ``unsubscribe``, ``recv() -> (topic, bytes)``,
+   ``stop``) over one :class:`mq.MQ` per worker (``mq.create`` with the type after ``mq:``).
+2. It wraps ``Parallel.runner`` (the one monkeypatch, in memory; nothing on disk). DI-engine's
+   ``runner`` looks the per-worker argument builder up in a dict it creates on every call
+   (``{"nng": ..., "redis": ...}``), so a new mq type cannot be added to it from outside. The
+   wrapper calls DI-engine's own ``runner`` unchanged and, for an mq type starting with
+   ``mq:`` only, adds :func:`_args_parser` to that dict (the ``args_parsers`` variable of the
+   ``_runner`` closure that ``runner`` returns). Everything else (the spawned worker pool,
+   ``_subprocess_runner``, ``_run``, auto recover, the listener thread) stays DI-engine's.
+   Other mq types (``nng``, ``redis``) are untouched.
+
+:func:`_args_parser` turns DI-engine's arguments (``n_parallel_workers``, ``node_ids``,
+``protocol``, ``address``, ``ports``, ``attach_to``, ``topology``, ``labels``) into each worker's
+``mq.create`` options with mq's own launch profiles (:mod:`mq.launch_profiles`, as ``mq run``
+does): nng workers listen on ``tcp://address:port`` and dial their topology's peers (plus
+``attach_to``); torch RPC workers meet in a rendezvous store on this host (one host), or at
+``env://`` (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``) when the job spans hosts.
+
+DI-engine pickles its events into bytes; mq carries those bytes and unpickles nothing. ``recv``
+waits in slices of :data:`RECV_SLICE_S` and returns None once ``stop`` was called, so the
+listener thread ends; ``stop`` returns within :data:`STOP_TIMEOUT_S` (plus a little) even when
+peers died; a dead or stuck peer makes ``publish`` log a warning, never hang or raise into
+``main`` (DI-engine's bus drops too).
+
+A worker spec (:class:`WorkerSpec`) is an instance of a class of this module, so unpickling it
+in a spawned worker imports this module (and registers the types) even when the user's main
+module does not import it at top level.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mq
+from mq import auth
+from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
+from mq.launch import free_port
+from mq.launch_profiles import LocalJob, WorkerExtras, profile_for
+from mq.registry import check_mq_type
+from mq.rendezvous import attach_targets
+
+from ding.framework.message_queue.mq import MQ as DingMQ
+from ding.framework.parallel import Parallel
+from ding.utils import MQ_REGISTRY
+
+__all__ = ["MQ_TYPES", "PREFIX", "MQOnDing", "WorkerSpec", "set_options", "cli"]
+
+log = logging.getLogger("mq.integrations.ding")
+
+PREFIX = "mq:"
+#: DI-engine mq type -> mq type.
+MQ_TYPES = {"mq:nng": "nng", "mq:torchrpc:cpu": "torchrpc:cpu", "mq:torchrpc:cuda": "torchrpc:cuda"}
+#: How long one wait of ``recv`` lasts before it checks for ``stop``.
+RECV_SLICE_S = 0.1
+#: ``stop``'s bound: goodbyes and the transport's close.
+STOP_TIMEOUT_S = 5.0
+#: DI-engine's default base port for ``protocol="tcp"`` (``Parallel.get_node_addrs``).
+DING_BASE_PORT = 50515
+
+_extra_options: dict[str, Any] = {}
+
+
+def set_options(**options: Any) -> None:
+    """Extra ``mq.create`` options for every worker a later ``Parallel.runner`` starts from
+    this process (e.g. ``busy_poll=False``, ``timeout=60``, ``secret=...``)."""
+    _extra_options.clear()
+    _extra_options.update(options)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker's queue: what ``Parallel._run`` hands the registered class."""
+
+    mq_type: str  # mq's own type: nng, torchrpc:cpu, torchrpc:cuda
+    node_id: int
+    labels: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)
+    attach_to: tuple[str, ...] = ()  # the peers it dials, for DI-engine's Barrier (``get_attch_to_len``)
+
+
+class MQOnDing(DingMQ):
+    """DI-engine's MQ interface over one :class:`mq.MQ`.
+
+    Built by ``Parallel._run`` in the worker's main thread (``mq.create``: bad options fail
+    there); ``listen`` runs on DI-engine's listener thread, which then loops on ``recv``.
+    """
+
+    def __init__(self, mq_spec: WorkerSpec, **_ignored: Any) -> None:
+        self.spec = mq_spec
+        self.attach_to = list(mq_spec.attach_to)
+        self.q = mq.create(mq_spec.mq_type, node_id=mq_spec.node_id, labels=set(mq_spec.labels),
+                           **mq_spec.options)
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()  # subscribed before listen() finished
+        self._ready = threading.Event()  # listen() finished (or failed)
+        self._stopped = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ DI-engine's interface
+    def listen(self) -> None:
+        try:
+            self.q.listen()
+            with self._lock:
+                for topic in sorted(self._pending):
+                    self.q.subscribe(topic)
+                self._pending.clear()
+        except BaseException as exc:
+            self._error = exc
+            log.error("node %d: mq %s could not listen: %s", self.spec.node_id, self.spec.mq_type, exc)
+            raise
+        finally:
+            self._ready.set()
+
+    def publish(self, topic: str, data: bytes) -> None:
+        if self._stopped.is_set():
+            return
+        if not self._ready.wait(self.q.timeout):
+            raise Timeout(f"node {self.spec.node_id}: mq {self.spec.mq_type} did not finish listen() "
+                          f"within {self.q.timeout} s")
+        if self._error is not None:
+            raise ConfigError(f"node {self.spec.node_id}: mq {self.spec.mq_type} failed to listen: "
+                              f"{self._error}") from self._error
+        try:
+            self.q.publish(topic, data)
+        except (PeerLost, Timeout) as exc:  # DI-engine's emit is fire and forget: say so, go on
+            self._warn(f"publish:{type(exc).__name__}", "node %d: publish %r: %s (DI-engine's emit goes on)",
+                       self.spec.node_id, topic, exc)
+        except ClosedError:
+            if not self._stopped.is_set():
+                raise
+
+    def subscribe(self, topic: str) -> None:
+        with self._lock:
+            if self._ready.is_set() and self._error is None:
+                self.q.subscribe(topic)
+            else:
+                self._pending.add(topic)
+
+    def unsubscribe(self, topic: str) -> None:
+        with self._lock:
+            if topic in self._pending:
+                self._pending.discard(topic)
+            elif self._ready.is_set() and self._error is None and topic in self.q.subscriptions():
+                self.q.unsubscribe(topic)
+
+    def recv(self) -> Optional[tuple[str, bytes]]:
+        """The next (topic, bytes); None once stopped (DI-engine's listener loop then ends)."""
+        while not self._stopped.is_set():
+            if not self._ready.wait(RECV_SLICE_S):
+                continue
+            if self._error is not None:
+                return None
+            try:
+                msg = self.q.recv(timeout=RECV_SLICE_S)
+            except Timeout:
+                continue
+            except (ClosedError, MQError) as exc:
+                if not self._stopped.is_set():
+                    log.warning("node %d: recv: %s", self.spec.node_id, exc)
+                return None
+            payload = msg.payload
+            if isinstance(payload, (bytearray, memoryview)):
+                payload = bytes(payload)
+            if not isinstance(payload, bytes):  # not from a DI-engine emit: never unpickled here
+                self._warn(f"type:{msg.topic}", "node %d: dropped a %s payload on topic %r from node %s "
+                           "(DI-engine events are bytes)", self.spec.node_id, type(payload).__name__,
+                           msg.topic, msg.sender)
+                continue
+            return msg.topic, payload
+        return None
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._ready.set()
+        self.q.stop(timeout=STOP_TIMEOUT_S)
+
+    # ------------------------------------------------------------------ helpers
+    def metrics(self) -> dict[str, Any]:
+        """The queue's metrics (``mq.MQ.metrics``): ``task.router._mq.metrics()``."""
+        return self.q.metrics()
+
+    def _warn(self, key: str, fmt: str, *args: Any) -> None:
+        if key not in self._warned:  # once per cause: emit loops would flood the log
+            self._warned.add(key)
+            log.warning(fmt, *args)
+
+
+def _queue_class(ding_type: str) -> type:
+    return type(f"MQOnDing_{MQ_TYPES[ding_type].replace(':', '_')}", (MQOnDing,),
+                {"__module__": __name__, "__doc__": f"DI-engine mq type {ding_type!r} on mq."})
+
+
+_CLASSES = {t: _queue_class(t) for t in MQ_TYPES}
+for _name, _cls in _CLASSES.items():
+    globals()[_cls.__name__] = _cls  # picklable by name
+    MQ_REGISTRY.register(_name, _cls, force_overwrite=True)  # idempotent: a re-import overwrites
+
+
+# ---------------------------------------------------------------------- worker arguments
+def _worker_count_check(n: int, ids: list[int]) -> None:
+    if len(ids) != n or len(set(ids)) != n or min(ids) < 0:
+        raise ConfigError(f"node ids {ids} must be {n} distinct non-negative ints (one per worker)")
+
+
+def _pass_job_secret(options: dict[str, Any]) -> None:
+    """Resolve the job secret once in the parent and hand it to the spawned workers through
+    MQ_SECRET (as ``mq run`` does), so they never race to create the per-user file."""
+    if os.environ.get(auth.ENV_VAR) or "secret" in options or options.get("insecure"):
+        return
+    os.environ[auth.ENV_VAR] = auth.resolve_secret().key.decode()
+
+
+def _args_parser(cls: type, n_parallel_workers: int, mq_type: str, attach_to: Any = None,
+                 protocol: str = "ipc", address: Optional[str] = None, ports: Any = None,
+                 topology: str = "mesh", labels: Any = None, node_ids: Any = None,
+                 auto_recover: bool = False, max_retries: Any = float("inf"),
+                 startup_interval: Any = 1, **_unused: Any) -> list[dict[str, Any]]:
+    """DI-engine's ``Parallel.runner`` arguments -> one ``_run`` kwargs dict per worker."""
+    kind = MQ_TYPES.get(mq_type)
+    if kind is None:
+        raise ConfigError(f"unknown mq type {mq_type!r}: choose one of {', '.join(MQ_TYPES)}")
+    profile = profile_for(check_mq_type(kind))
+    n = n_parallel_workers
+    ids = list(cls.padding_param(node_ids, n, 0))  # DI-engine's own reading of node_ids
+    _worker_count_check(n, ids)
+    extra_attach = [a.strip() for a in (attach_to.split(",") if isinstance(attach_to, str) else attach_to or [])]
+    if protocol == "ipc":  # one host: mq picks free ports; same-host peers take shm/unix links anyway
+        address, port_list = "127.0.0.1", []
+    elif protocol == "tcp":
+        address = address or cls.get_ip()
+        port_list = list(cls.padding_param(ports, n, DING_BASE_PORT))
+        if len(port_list) != n:
+            raise ConfigError(f"ports {port_list} must be {n}, one per worker (or one base port)")
+    else:
+        raise ConfigError(f"protocol must be ipc or tcp, got {protocol!r}")
+    options = dict(_extra_options)
+    init_method = None
+    world_size = max(ids) + 1
+    if kind.startswith("torchrpc"):
+        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            init_method = "env://"  # torchrun's variables: a job across hosts
+            world_size = int(os.environ.get("WORLD_SIZE") or world_size)
+        elif extra_attach:
+            raise ConfigError(f"{mq_type} across hosts meets in a rendezvous store: set MASTER_ADDR, "
+                              "MASTER_PORT and WORLD_SIZE (torchrun's variables) on every host; "
+                              "attach_to is for mq:nng")
+    job = LocalJob(node_ids=ids, world_size=world_size, topology=topology, address=address,
+                   ports=port_list, attach_to=extra_attach, init_method=init_method, pick_port=free_port)
+    per_node = profile.local_options(job)
+    extras = profile.extras(WorkerExtras("auto", None, None))
+    _pass_job_secret(options)
+    label_set = tuple(sorted(labels or ()))
+    params = []
+    for n_id in ids:
+        opts = {**per_node[n_id], **extras, **options}
+        dials = opts.get("attach_to") or [f"node:{t}" for t in attach_targets(n_id, ids, topology)]
+        spec = WorkerSpec(kind, n_id, label_set, opts, tuple(dials))
+        params.append({"node_id": n_id, "n_parallel_workers": n, "labels": set(label_set),
+                       "auto_recover": auto_recover, "max_retries": max_retries, "mq_type": mq_type,
+                       "startup_interval": startup_interval, "mq_spec": spec})
+    return params
+
+
+# ---------------------------------------------------------------------- the one patch
+_ding_runner = Parallel.__dict__["runner"].__func__
+if getattr(_ding_runner, "_mq_wrapped", False):  # a second copy of this module (python -m)
+    _ding_runner = _ding_runner.__wrapped__
+
+
+@functools.wraps(_ding_runner)
+def _runner(cls: type, n_parallel_workers: int, mq_type: str = "nng", *args: Any, **kwargs: Any) -> Any:
+    run = _ding_runner(cls, n_parallel_workers, mq_type, *args, **kwargs)
+    if isinstance(mq_type, str) and mq_type.startswith(PREFIX):
+        if mq_type not in MQ_TYPES:
+            raise ConfigError(f"unknown mq type {mq_type!r}: choose one of {', '.join(MQ_TYPES)}")
+        try:
+            cell = run.__closure__[run.__code__.co_freevars.index("args_parsers")]
+            parsers = cell.cell_contents
+        except (TypeError, ValueError, AttributeError):
+            raise ConfigError("mq.integrations.ding: this DI-engine's Parallel.runner has no args_parsers "
+                              "table to extend (written against DI-engine 0.5.3)") from None
+        parsers[mq_type] = functools.partial(_args_parser, cls)
+    return run
+
+
+_runner._mq_wrapped = True  # type: ignore[attr-defined]
+Parallel.runner = classmethod(_runner)
+
+
+def cli() -> None:
+    """``ditask`` with mq's types registered: ``python -m mq.integrations.ding --main ... --mq-type mq:nng``
+    runs a DI-engine main module that does not import this module itself."""
+    from ding.entry.cli_ditask import cli_ditask
+
+    cli_ditask(prog_name="python -m mq.integrations.ding")
+
+
+if __name__ == "__main__":
+    from mq.integrations import ding as _registered  # the importable copy registers the types
+
+    _registered.cli()

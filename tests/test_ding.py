@@ -1,0 +1,117 @@
+"""DI-engine on mq (mq.integrations.ding): DI-engine's own Parallel scenarios and a ditask job,
+run on mq's types through DI-engine's unchanged launcher.
+
+DI-engine needs numpy 1.x, so it lives in its own virtual environment, .ding-venv (made by
+scripts/ding-env, which .ci/run calls). Every test runs a job under .ding-venv/bin/python in a
+subprocess of its own session, bounded, and kills the whole session when it is done or late:
+nothing is left behind. Without .ding-venv, or where it cannot import DI-engine, the module
+skips and says why.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DING_PY = ROOT / ".ding-venv" / "bin" / "python"
+DITASK = ROOT / ".ding-venv" / "bin" / "ditask"
+
+
+def _why_not() -> str | None:
+    if not DING_PY.exists():
+        why = ROOT / ".ding-venv" / ".why"
+        detail = f": {why.read_text().strip()}" if why.exists() else ""
+        return f"no DI-engine environment (.ding-venv): run bash scripts/ding-env{detail}"
+    try:
+        out = subprocess.run([str(DING_PY), "-c", "import ding.framework, mq.integrations.ding"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return ".ding-venv/bin/python took over 120 s to import ding"
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["?"])[-1]
+        return f".ding-venv cannot import DI-engine with mq.integrations.ding ({last}): run bash scripts/ding-env"
+    return None
+
+
+_WHY = _why_not()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+
+
+def run_job(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``args`` in a session of its own under the DI-engine environment; kill the session
+    (DI-engine's spawned workers included) when it ends or runs past ``timeout``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env.pop("MQ_SECRET", None)
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(args[-4:])} ran past {timeout} s:\n{out[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # DI-engine's workers, if any outlived the parent
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(args, proc.returncode, out, "")
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+SCENARIOS = ["run", "uncaught_exception", "disconnected", "auto_recover"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mq_type", ["mq:nng", "mq:torchrpc:cpu"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_ding_parallel_scenarios(scenario: str, mq_type: str) -> None:
+    """DI-engine's ding/framework/tests/test_parallel.py, through Parallel.runner(mq_type=...)."""
+    out = run_job([str(DING_PY), "-m", "tests.ding_jobs.scenarios", scenario, mq_type], timeout=180)
+    assert out.returncode == 0 and f"OK {scenario} {mq_type}" in out.stdout, out.stdout[-6000:]
+
+
+@pytest.mark.timeout(150)
+def test_ditask_two_workers_on_mq_nng() -> None:
+    """The README's command: ditask --mq-type mq:nng starts a 2-worker job whose main module
+    imports mq.integrations.ding; both workers exchange 1 MiB events over mq."""
+    ports = free_ports(2)
+    out = run_job([str(DITASK), "--package", "tests/ding_jobs", "--main", "two_workers.main",
+                   "--parallel-workers", "2", "--topology", "mesh", "--mq-type", "mq:nng",
+                   "--address", "127.0.0.1", "--ports", ",".join(map(str, ports)),
+                   "--startup-interval", "0"], timeout=130)
+    assert out.returncode == 0, out.stdout[-6000:]
+    for me, other in ((0, 1), (1, 0)):
+        assert f"DITASK node {me} heard node {other} (1048576 bytes) over MQOnDing_nng" in out.stdout, \
+            out.stdout[-6000:]
+
+
+@pytest.mark.timeout(60)
+def test_unknown_mq_type_is_one_clear_error() -> None:
+    code = ("import mq.integrations.ding\nfrom ding.framework import Parallel\n"
+            "try:\n    Parallel.runner(n_parallel_workers=2, mq_type='mq:zmq')\n"
+            "except Exception as e:\n    print('ERR', type(e).__name__, e)\n")
+    out = run_job([str(DING_PY), "-c", code], timeout=50)
+    assert "ERR ConfigError unknown mq type 'mq:zmq': choose one of mq:nng, mq:torchrpc:cpu, mq:torchrpc:cuda" \
+        in out.stdout, out.stdout[-3000:]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
