@@ -30,6 +30,7 @@ import struct
 import time
 from typing import Any, Callable
 
+from mq.backends.links import warm
 from mq.backends.links.base import Receiver, Sender, listener
 from mq.codec import Frame, empty_buffer
 from mq.errors import ProtocolError, Timeout
@@ -107,7 +108,9 @@ class Inbound(Receiver):
             if not 0 < length <= min(size, PIECE):
                 raise ProtocolError(f"frame of {size} bytes begins with a {length}-byte piece")
             try:
-                self._buf = empty_buffer(size)  # not zeroed: the frame fills it
+                # A large frame lands in a warm slab (no page faults while it arrives), else in
+                # a fresh buffer, not zeroed: the frame fills it.
+                self._buf = warm.shared().take(size) or empty_buffer(size)
             except MemoryError:  # e.g. many links each claiming a huge frame
                 raise ProtocolError(f"no memory for a frame of {size} bytes") from None
             self._filled, self._piece_end = 0, length
