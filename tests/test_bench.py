@@ -468,3 +468,12 @@ def test_fanout_over_namespace_hosts_reports_mq_and_raw_tcp_rows():
     text = bench_fanout.table(rows, info)
     assert "raw tcp, 2 hosts at once (bound)" in text and "raw rows: raw tcp to 1 host" in text
     assert not [n for n in netns.list_namespaces() if n.startswith(f"{netns.NS_PREFIX}{os.getpid()}-")]
+
+
+def test_two_hosts_rows_give_their_fraction_of_the_link_measured_in_the_same_run():
+    from mq.tools.bench_report import add_link_fractions
+
+    rows = [{"kind": "mq", "hosts": "two", "gbps": 18.0}, {"kind": "mq", "hosts": "same", "gbps": 40.0},
+            {"kind": "bound", "hosts": "two", "gbps": 100.0}, {"kind": "mq", "hosts": "two", "gbps": None}]
+    add_link_fractions(rows, [{"hosts": "two", "link": "veth tcp", "gbps": 20.0}, {"hosts": "same", "gbps": None}])
+    assert [r["link_fraction"] for r in rows] == [0.9, None, None, None]

@@ -84,7 +84,7 @@ from mq.errors import ConfigError
 from mq.launch_profiles import launchable_mq_types
 from mq.supervise import stop_signals_raise
 from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
-    ROW_FIELDS, TARGETS, Report, _read, _targets, check_line, fmt_ms, fmt_ratio, gpu_pivot,
+    ROW_FIELDS, TARGETS, add_link_fractions, Report, _read, _targets, check_line, fmt_ms, fmt_ratio, gpu_pivot,
     machine_info, machine_line, pivot, plot, row_label, row_note, to_csv, to_json, to_markdown,
     write_all,
 )
@@ -659,6 +659,7 @@ def run(cfg: BenchConfig, progress: Progress | None = None) -> Report:
     load_before = _read("/proc/loadavg").split()[:3] or None
     runner.run()
     rows = report_rows(runner.cases, runner.bounds, cfg)
+    add_link_fractions(rows, runner.links)
     config = asdict(cfg)
     config["sizes"] = [format_size(s) for s in cfg.sizes]
     config["mode_sizes"] = {m: [format_size(s) for s in cfg.sizes_for(m)] for m in cfg.modes}

@@ -26,8 +26,17 @@ ROW_FIELDS = (
     "baseline", "baseline_p50_ms", "ratio", "skipped", "reason", "seconds", "link_bytes",
     "mode", "subscribers", "messages", "payloads", "bound_copies", "bound_ms", "ratio_bound", "msgs_per_s",
     "mb_per_s", "lossless", "arrival_p50_ms", "arrival_ratio",
-    "owned", "arrived_on", "bound_kind", "rpc_cuda_p50_ms", "rpc_cuda_ratio",
+    "owned", "arrived_on", "bound_kind", "rpc_cuda_p50_ms", "rpc_cuda_ratio", "link_fraction",
 )
+
+
+def add_link_fractions(rows: list[dict[str, Any]], links: list[dict[str, Any]]) -> None:
+    """Each measured row's Gbit/s over its hosts' raw socket stream measured in the same run
+    (``link_fraction``: 0.9 = 90% of the link), where both are known."""
+    ceiling = {l["hosts"]: l["gbps"] for l in links if l.get("gbps")}
+    for r in rows:
+        link = ceiling.get(r.get("hosts"))
+        r["link_fraction"] = round(r["gbps"] / link, 3) if link and r.get("gbps") and r.get("kind") != "bound" else None
 
 
 
@@ -350,6 +359,8 @@ def to_markdown(report: Report) -> str:
         if r.get("link_bytes") is not None and r["samples"]:
             moved = (r.get("payloads") or 2) * r["size_bytes"] * (r["samples"] + r["warmup"])
             note = (note + " " if note else "") + f"veth carried {r['link_bytes'] / max(1, moved):.2f}x the payload"
+        if r.get("link_fraction") is not None:
+            note = (note + "; " if note else "") + f"{r['link_fraction']:.2f}x the link"
         out.append(f"| {row_label(r)} | {r['size']} | {r['samples']} | {fmt_ms(r['min_ms'])} | {fmt_ms(r['p50_ms'])} | "
                    f"{fmt_ms(r['p99_ms'])} | {fmt_ms(r['max_ms'])} | {r['gbps'] if r['gbps'] is not None else '-'} | "
                    f"{fmt_ms(r['baseline_p50_ms'])} | {fmt_ratio(r['ratio'])} | {fmt_ratio(r.get('ratio_bound'))} | {note} |")
