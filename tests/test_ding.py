@@ -142,6 +142,26 @@ def test_ding_example_dqn_trains_on_mq_nng(tmp_path: Path) -> None:
         assert best[2] >= 195, out[-6000:]
 
 
+@pytest.mark.timeout(240)
+def test_emit_benchmark_runs_on_every_bus(tmp_path: Path) -> None:
+    """The README's emit/on benchmark (tests/ding_jobs/bench.py), tiny: one run, a 0.1 MB model,
+    a few samples; a job per bus (DI-engine's nng, mq:nng, mq:torchrpc:cpu) and the table."""
+    out_md = tmp_path / "ding-emit.md"
+    out = run_job([str(DING_PY), "-m", "tests.ding_jobs.bench", "--runs", "1", "--lat-small", "10",
+                   "--lat-model", "3", "--burst-small", "50", "--burst-model", "3", "--bursts", "1",
+                   "--model-mb", "0.1", "--wait", "5", "--job-timeout", "70", "--out", str(out_md)],
+                  timeout=225)
+    assert out_md.exists(), out.stdout[-6000:]
+    table = out_md.read_text()
+    for bus in ("nng", "mq:nng", "mq:torchrpc:cpu"):
+        row = next((line for line in table.splitlines() if line.startswith(f"| `{bus}` |")), None)
+        assert row is not None and "failed" not in row, table
+    for bus in ("mq:nng", "mq:torchrpc:cpu"):  # mq's buses are lossless
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{bus}` |"))
+        assert row.rstrip(" |").endswith("0 / 0 / 0 / 0"), table
+    assert out.returncode == 0, out.stdout[-6000:]
+
+
 @pytest.mark.timeout(60)
 def test_unknown_mq_type_is_one_clear_error() -> None:
     code = ("import mq.integrations.ding\nfrom ding.framework import Parallel\n"
