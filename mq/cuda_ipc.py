@@ -640,9 +640,13 @@ class PeerPools:
             self.refused += 1
             raise
 
-    def _view(self, desc: Any) -> Any:
-        import torch
+    def check(self, desc: Any) -> tuple[_Opened, int, int, int, int]:
+        """The host-side checks of a descriptor, no CUDA call: ``(opened pool, slot, offset,
+        nbytes, event index)`` of a descriptor that lies inside a pool this peer offered.
 
+        Raises:
+            ProtocolError: what is wrong with it.
+        """
         if not (type(desc) is list and len(desc) == 6 and desc[0] == TAG
                 and all(_exact_int(x) for x in desc[1:])):
             raise ProtocolError(f"malformed CUDA descriptor {reprlib.repr(desc)}")
@@ -651,14 +655,22 @@ class PeerPools:
             if self._closed:
                 raise ProtocolError(f"node {self.peer}'s CUDA pools are closed here")
             opened = self._pools.get(pool_id)
-            if opened is None:
-                raise ProtocolError(f"a CUDA descriptor names pool {pool_id}, which node {self.peer} "
-                                    "never offered on this link")
-            size = opened.info["size"]
-            if offset % ALIGN or not 0 < nbytes <= size - offset or k >= len(opened.events):
-                raise ProtocolError(f"CUDA descriptor {offset}+{nbytes} (event {k}) is outside node "
-                                    f"{self.peer}'s pool of {size} bytes")
+        if opened is None:
+            raise ProtocolError(f"a CUDA descriptor names pool {pool_id}, which node {self.peer} "
+                                "never offered on this link")
+        size = opened.info["size"]
+        if offset % ALIGN or not 0 < nbytes <= size - offset or k >= len(opened.events):
+            raise ProtocolError(f"CUDA descriptor {offset}+{nbytes} (event {k}) is outside node "
+                                f"{self.peer}'s pool of {size} bytes")
+        return opened, slot_id, offset, nbytes, k
+
+    def _view(self, desc: Any) -> Any:
+        import torch
+
+        with self._lock:  # checked and counted at once: close() cannot slip in between
+            opened, slot_id, offset, nbytes, k = self.check(desc)
             opened.live += 1
+        pool_id = desc[1]
         memory = _Memory(opened.base + offset, nbytes)
         weakref.finalize(memory, self._released, opened, pool_id, slot_id)
         view = torch.as_tensor(memory, device=f"cuda:{opened.device}")

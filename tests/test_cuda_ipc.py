@@ -231,6 +231,10 @@ def test_cuda_options_are_checked():
         mq.create("nng", 0, cuda_pool_bytes=-1)
     with pytest.raises(mq.ConfigError, match="cuda_pool_bytes"):
         mq.create("nng", 0, cuda_pool_bytes="4g")
+    with pytest.raises(mq.ConfigError, match="cuda_inline_max"):
+        mq.create("nng", 0, cuda_inline_max=-1)
+    with pytest.raises(mq.ConfigError, match="cuda_inline_max"):
+        mq.create("nng", 0, cuda_inline_max=1.5)
     q = mq.create("nng", 0)
     with q:
         with pytest.raises(mq.ConfigError, match="device must be"):

@@ -21,5 +21,6 @@ INSTRUMENTED = {
     "unixlink": ("mq.backends.links.unix", "mq.backends.links.base"),
     "tcplink": ("mq.backends.links.tcp", "mq.backends.links.base"),
     "shm": ("mq.shm",),
+    "cuda": ("mq.cuda_ipc",),
 }
 NAMES = tuple(INSTRUMENTED)

@@ -14,6 +14,9 @@ per process (:func:`close` unmaps it). Input formats:
   link reader distinguishes), then chunks, each a length byte and that many bytes: one
   datagram each (unix), or one write each (tcp), read after every chunk.
 - ``shm``: a msgpack value, the shared-memory descriptor a frame's header would carry.
+- ``cuda``: a msgpack value: a CUDA descriptor as a frame's header would carry it, or (a map)
+  a peer's CUDA pool description as its GPU_POOL offer would; only the host-side checks run
+  (no GPU needed: they must refuse everything before any CUDA call).
 """
 
 from __future__ import annotations
@@ -287,6 +290,53 @@ def shm_seeds() -> list[bytes]:
     return [msgpack.packb(d) for d in peer.descriptors] + [msgpack.packb(peer.pool.probe_info()["probe"])]
 
 
+# ---------------------------------------------------------------------- CUDA (host-side checks)
+CUDA_UUID = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
+CUDA_PID = 4242
+CUDA_POOL = {"pool": 1, "uuid": CUDA_UUID, "size": 64 << 20, "handle": b"h" * 64,
+             "events": [b"e" * 64] * 16, "pid": CUDA_PID, "incarnation": "fuzz"}
+
+
+def _cuda_pools() -> Any:
+    """A peer's pools as a receiver holds them once pool 1 was offered (its base a dummy: the
+    target only runs the checks, which never touch it)."""
+    from mq import cuda_ipc
+
+    pools = cuda_ipc.PeerPools(1, CUDA_PID, [CUDA_UUID], lambda *a: None)
+    pools._pools[1] = cuda_ipc._Opened(dict(CUDA_POOL), 0, 1 << 40, [None] * 16, local=True)
+    return pools
+
+
+def cuda_target(data: bytes) -> None:
+    """:meth:`mq.cuda_ipc.PeerPools.check` for a descriptor, :func:`mq.cuda_ipc.check_pool_info`
+    for a pool description: what passes must lie inside the pool and name a real event."""
+    from mq import cuda_ipc
+
+    try:
+        value = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
+    except Exception:
+        return
+    try:
+        if isinstance(value, dict):
+            cuda_ipc.check_pool_info(value, 1, CUDA_PID, [CUDA_UUID])
+            return
+        _opened, _slot, offset, nbytes, k = _cuda_pools().check(value)
+    except ProtocolError:
+        return
+    if offset % cuda_ipc.ALIGN or not 0 < nbytes <= CUDA_POOL["size"] - offset or not 0 <= k < 16:
+        raise Finding(f"descriptor {value} passed with a span or event outside the pool")
+
+
+def cuda_seeds() -> dict[str, bytes]:
+    """Good and bad descriptors and pool descriptions."""
+    return {name: msgpack.packb(value, use_bin_type=True) for name, value in {
+        "good": ["cuda", 1, 3, 256, 1024, 2], "last-byte": ["cuda", 1, 3, (64 << 20) - 256, 256, 15],
+        "past-end": ["cuda", 1, 3, (64 << 20) - 256, 512, 0], "unaligned": ["cuda", 1, 3, 3, 8, 0],
+        "event": ["cuda", 1, 3, 0, 8, 16], "bool": ["cuda", 1, 3, 0, True, 0], "pool": CUDA_POOL,
+        "pool-pid": dict(CUDA_POOL, pid=1), "pool-handle": dict(CUDA_POOL, handle=b"h"),
+    }.items()}
+
+
 def close() -> None:
     """Unmap what the targets made (the shared-memory pool)."""
     global _shm_peer
@@ -301,6 +351,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "unixlink": unixlink_target,
     "tcplink": tcplink_target,
     "shm": shm_target,
+    "cuda": cuda_target,
 }
 assert tuple(TARGETS) == NAMES, "tests/fuzz/__init__.py lists the targets"
 #: Seeds only a running target can make; :mod:`tests.fuzz.run` adds them to its corpus.
