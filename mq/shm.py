@@ -93,11 +93,16 @@ def available() -> str | None:
     return None
 
 
+def size_class(nbytes: int) -> int:
+    """Round a request up to a size class (at most 12.5% slack, whole pages) so a buffer made
+    for it is reusable by the next request of about its size (shm segments, warm link slabs)."""
+    step = max(mmap.PAGESIZE, 1 << max(0, nbytes.bit_length() - 4))
+    return (nbytes + step - 1) // step * step
+
+
 def _capacity(nbytes: int) -> int:
-    """Round a request up to a size class (at most 12.5% slack) so slots are reusable."""
-    n = max(nbytes, _MIN_SEGMENT)
-    step = max(4096, 1 << max(0, n.bit_length() - 4))
-    return (n + step - 1) // step * step
+    """A segment's size for a request: its size class, at least a minimal segment."""
+    return size_class(max(nbytes, _MIN_SEGMENT))
 
 
 def _address(buf: Any) -> tuple[int, int]:

@@ -20,6 +20,8 @@ from typing import Any
 
 from cffi import FFI
 
+from mq.shm import size_class
+
 _ffi = FFI()
 
 #: Frames smaller than this take a fresh buffer (cheap to fault, not worth a slab).
@@ -30,10 +32,7 @@ DEFAULT_MAX_BYTES = min(2 << 30, (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PH
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
-def capacity(nbytes: int) -> int:
-    """A request rounded up to its size class (at most 12.5% slack, whole pages)."""
-    step = max(mmap.PAGESIZE, 1 << max(0, nbytes.bit_length() - 4))
-    return (nbytes + step - 1) // step * step
+capacity = size_class  # a request's slab size: the shm pool's size classes
 
 
 class WarmBuffers:
