@@ -46,6 +46,7 @@ from mq.errors import ConfigError, MQError, Timeout
 from mq.launch_profiles import LaunchProfile, LocalJob, WorkerExtras, profile_for
 from mq.registry import check_mq_type, create
 from mq.rendezvous import TOPOLOGIES, parse_init_method
+from mq.platforms.plan import free_port  # noqa: F401 (its home was here: mq.launch.free_port stays)
 from mq.supervise import die_with_parent, stop_processes, stop_signals_raise
 
 log = logging.getLogger("mq.launch")
@@ -215,10 +216,6 @@ def parse_labels(labels: Any, node_ids: list[int]) -> dict[int, list[str]]:
     return {n: norm(labels) for n in node_ids}
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

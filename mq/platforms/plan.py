@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import random
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -197,3 +199,35 @@ def missing_error(platform: str, missing: list[str], fix: str) -> ConfigError:
         f"--platform {platform} needs environment variables that are not set: "
         f"{', '.join(missing)}; {fix}"
     )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, below the kernel's ephemeral range where there is room.
+    A port the kernel hands out for port 0 (a worker's own link listener, an outgoing
+    connection) could be taken by another worker of the job before the one it was picked for
+    binds it; ports below the range are never handed out that way."""
+    low = _ephemeral_low()
+    if low > _LOWEST_PICKED + 1024:
+        for _ in range(64):
+            port = random.randrange(_LOWEST_PICKED, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+_LOWEST_PICKED = 10000  # below: well-known and registered services
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 when unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
