@@ -442,10 +442,15 @@ class _TreeReader:
                 raise ProtocolError(f"payload nests tuples more than {MAX_DEPTH} deep")
             self.depth += 1
             try:
-                return tuple(msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False,
-                                             strict_map_key=False, use_list=True))
+                items = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False,
+                                        strict_map_key=False, use_list=True)
             finally:
                 self.depth -= 1
+            # The encoder packs a tuple as a list. Anything else would be iterated: a tensor
+            # of shape [2**31, ...] named by a 30-byte tuple made 2**31 objects (the fuzzer).
+            if type(items) is not list:
+                raise ProtocolError(f"a tuple must hold a list, not a {type(items).__name__}")
+            return tuple(items)
         if code == _EXT_NDARRAY:
             return self.codec._unpack_ndarray(data, self.buffers, self.shared)
         if code == _EXT_TENSOR:
