@@ -86,6 +86,8 @@ class Calls:
         same-host channels); descriptors would need a second message to give the slots back.
         Losing the peer meanwhile ends the exchange in the transport, which says how."""
         p = self._sender.checked_peer(peer, frame, "call")
+        if self._sender.gpu.takes(peer, frame):
+            return None  # GPU tensors to an nvlink peer go by CUDA IPC descriptor, as a REQ frame
         left = deadline - time.monotonic()
         if left <= 0:
             raise FutureTimeout()

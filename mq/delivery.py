@@ -192,3 +192,6 @@ class Delivery:
                 fn(msg)
             except Exception:
                 log.exception("node %d: handler for %r raised", self.node_id, msg.topic)
+            # The handler is done with it: a message kept alive by this loop's variables until
+            # the next one would pin its buffers (a CUDA pool slot, an shm segment) meanwhile.
+            del fn, msg

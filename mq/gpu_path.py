@@ -23,12 +23,15 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from mq import cuda_ipc
 from mq.errors import ConfigError, MQError, ProtocolError
 from mq.options import check_int
 from mq.peers import Peer, PeerTable
+
+if TYPE_CHECKING:
+    from mq.codec import Frame
 
 log = logging.getLogger("mq")
 
@@ -83,8 +86,7 @@ class GpuPath:
               deadline: float) -> tuple[list[int], dict[int, list[Any]]]:
         """Descriptors for the CUDA buffers of a frame: ``(peers that get them, {index:
         descriptor})``. The other peers get those buffers staged through host memory."""
-        # Small tensors are staged, unless they lie in our pool already (alloc: no copy at all).
-        idx = [i for i in cuda_buffers(buffers, sizes) if sizes[i] >= self.inline_max or self._in_pool(buffers[i])]
+        idx = self._by_descriptor(buffers, sizes)
         candidates = [p for p in peers if self._nvlink(p)]
         if not idx or not candidates or self.unavailable:
             return [], {}
@@ -121,6 +123,16 @@ class GpuPath:
             for peer in peers:
                 if pool is not None:
                     pool.release(peer, slot_id)
+
+    def takes(self, peer: int, frame: Frame) -> bool:
+        """Whether ``frame``'s GPU buffers would go to ``peer`` by descriptor (its route is
+        nvlink and this path is usable), so the frame must travel as a frame, not inline."""
+        return (bool(frame.gpu) and self.enabled and not self.unavailable and self._nvlink(peer)
+                and bool(self._by_descriptor(frame.buffers, frame.sizes)))
+
+    def _by_descriptor(self, buffers: list[Any], sizes: list[int]) -> list[int]:
+        # Small tensors are staged, unless they lie in our pool already (alloc: no copy at all).
+        return [i for i in cuda_buffers(buffers, sizes) if sizes[i] >= self.inline_max or self._in_pool(buffers[i])]
 
     def _nvlink(self, peer: int) -> bool:
         p = self._peers.get(peer)

@@ -199,6 +199,22 @@ def test_a_receiver_hoarding_views_makes_the_sender_wait_then_time_out(learner):
         _stop(peer)
 
 
+def test_a_message_a_subscriber_callback_let_go_is_released_at_once(learner):
+    # The handler thread must not pin the last message it ran (its slot would stay held until
+    # the next message on that node, forever on a quiet topic).
+    peer = _spawn(1, learner.addresses["tcp"], "glance")
+    try:
+        assert _line(peer) == "ready shm"
+        learner.wait_for_subscribers("data", 1, timeout=10)
+        w = learner.alloc((8 * MB,), np.uint8)
+        w[:] = 5
+        learner.send(1, "data", w)
+        assert wait_until(lambda: learner.call(1, "seen", timeout=5) == [5])
+        learner.wait_released(w, timeout=5)
+    finally:
+        _stop(peer)
+
+
 def test_publish_to_same_host_subscribers_copies_once(learner):
     peers = [_spawn(n, learner.addresses["tcp"], "hoard") for n in (1, 2)]
     try:

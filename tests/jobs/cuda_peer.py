@@ -2,7 +2,7 @@
 `python -m tests.jobs.cuda_peer NODE_ID ATTACH_ADDR MODE`.
 
 It keeps every payload of topic ``data`` it receives (CUDA views of the sender's pool) until told
-``drop``, and answers calls the tests use to look inside it: ``count``, ``drop``, ``sums`` (a
+``drop``, and answers calls the tests use to look inside it: ``count``, ``received`` (in all), ``drop``, ``sums`` (a
 float64 sum per kept tensor, and where it lives), ``echo`` (the payload back), ``use_async``
 (reads the oldest kept view in a kernel queued behind a long sleep, then drops it before the
 kernel ran), ``out_sum``, ``stats``, ``route``, ``mem``.
@@ -41,6 +41,11 @@ def main() -> None:
     q = mq.create("nng", node_id, "peer", attach_to=[attach], timeout=20, cuda_pool_bytes=pool_bytes)
     kept: list[Any] = []
     out: list[Any] = []
+    received = [0]
+
+    def keep(message: mq.Message) -> None:
+        kept.append(message.payload)
+        received[0] += 1
     with q:
         q.wait_for_peers(1, timeout=30)
 
@@ -58,6 +63,7 @@ def main() -> None:
             return "queued"
 
         q.on("count", lambda _: len(kept))
+        q.on("received", lambda _: received[0])
         q.on("drop", drop)
         q.on("sums", lambda _: _sum(kept))
         q.on("echo", lambda payload: payload)
@@ -66,7 +72,7 @@ def main() -> None:
         q.on("stats", lambda _: {"cuda": dict(q.stats().cuda), "dropped_malformed": q.stats().dropped_malformed})
         q.on("route", lambda _: [q.routes()[0].gpu, q.routes()[0].reason])
         q.on("mem", lambda _: list(torch.cuda.mem_get_info()) if torch.cuda.is_available() else [0, 0])
-        q.subscribe("data", kept.append)
+        q.subscribe("data", keep)
         print("ready", q.routes()[0].gpu, flush=True)
         if mode == "send":
             q.send(0, "data", torch.full((16 * MB,), 7, dtype=torch.uint8, device="cuda:0"))

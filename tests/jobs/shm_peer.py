@@ -2,7 +2,8 @@
 
 Modes: ``hoard`` keeps every array it receives until told ``drop``; ``hold`` prints ``got`` after
 its first message and sleeps (the test SIGKILLs it); ``send`` sends a 64 MiB array to node 0,
-prints ``sent`` and sleeps (the test SIGKILLs it).
+prints ``sent`` and sleeps (the test SIGKILLs it); ``glance`` reads each array's first byte in a
+subscriber callback and keeps nothing (``seen`` answers the bytes read).
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ def main() -> None:
             return "dropped"
 
         q.on("drop", drop)
-        q.subscribe("data")
+        seen: list[int] = []
+        q.on("seen", lambda _: list(seen))
+        q.subscribe("data", (lambda m: seen.append(int(m.payload[0]))) if mode == "glance" else None)
         print("ready", q.routes()[0].kind, flush=True)
         if mode == "send":
             q.send(0, "data", np.full(64 << 20, 7, dtype=np.uint8))
             print("sent", flush=True)
             time.sleep(600)
+        while mode == "glance":
+            time.sleep(1)
         while True:
             msg = q.recv(timeout=60)
             kept.append(msg.payload)
