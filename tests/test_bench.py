@@ -386,6 +386,11 @@ def test_bench_two_hosts_end_to_end_and_namespaces_gone():
     assert {r["baseline"] for r in mq_rows} == {"raw:pynng/tcp"}
     assert [link["link"] for link in report["links"]] == ["veth tcp"]
     assert report["links"][0]["gbps"] > 0
+    # the link row: a plain TCP stream of the same sizes, interleaved; every row's fraction of it
+    link_rows = [r for r in rows if r["mq_type"] == "raw:socket"]
+    assert {r["size_bytes"] for r in link_rows} == {r["size_bytes"] for r in mq_rows}
+    assert all(r["samples"] >= 1 and r["link_fraction"] is None for r in link_rows)
+    assert all(r["link_fraction"] > 0 for r in mq_rows)
     assert _our_namespaces(os.getpid()) == []
     assert not [link for link in netns.list_links() if link.startswith(f"{netns.LINK_PREFIX}{os.getpid()}h")]
 
@@ -477,3 +482,10 @@ def test_two_hosts_rows_give_their_fraction_of_the_link_measured_in_the_same_run
             {"kind": "bound", "hosts": "two", "gbps": 100.0}, {"kind": "mq", "hosts": "two", "gbps": None}]
     add_link_fractions(rows, [{"hosts": "two", "link": "veth tcp", "gbps": 20.0}, {"hosts": "same", "gbps": None}])
     assert [r["link_fraction"] for r in rows] == [0.9, None, None, None]
+    # With a link row of the same hosts, mode and size (interleaved), that row is the link.
+    two = {"hosts": "two", "mode": "oneway", "size_bytes": 40 << 20}
+    rows = [{"kind": "mq", "mq_type": "nng", "p50_ms": 16.0, "gbps": 21.0, **two},
+            {"kind": "raw", "mq_type": "raw:socket", "p50_ms": 14.4, "gbps": 23.3, **two},
+            {"kind": "mq", "mq_type": "nng", "p50_ms": 300.0, "gbps": 18.0, **two, "size_bytes": 640 << 20}]
+    add_link_fractions(rows, [{"hosts": "two", "link": "veth tcp", "gbps": 20.0}])
+    assert [r["link_fraction"] for r in rows] == [0.9, None, 0.9]  # the last: no link row of its size

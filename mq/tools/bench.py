@@ -44,6 +44,13 @@ Raw pynng only sends ``bytes``, so its round trip is ``tensor.numpy().tobytes()`
 trip and one-way, when pyzmq is installed) use its zero-copy API (``send(copy=False)``,
 ``np.frombuffer(frame.buffer)``): nobody's baseline, a reference of what zero-copy sockets do.
 
+Across hosts (``--two-hosts``) each mode of round trip and one-way also gets the link row,
+``raw:socket/tcp``, with or without baselines (``--no-links`` drops it): a plain TCP connection,
+an 8-byte length then the bytes, sent from the payload and received into a warm buffer reused
+per size, interleaved with the other rows. A row's ``link_fraction`` is the link row's p50 at
+its size over its own (1.0: as fast as the plain socket program); rows without one (fan-out,
+stream) are compared with the raw socket stream the run measures once (``links``).
+
 The physical bound is one memcpy of ``size`` bytes into warm memory (allocated once per size and
 faulted in first), measured by its own worker interleaved with the first group that has that
 size. Each row's ``ratio_bound`` is its p50 over the memcpys it needs at least
@@ -213,6 +220,7 @@ class _Runner:
         self.ctx = mp.get_context("spawn")
         self.cases: list[Case] = []
         self.links: list[dict[str, Any]] = []
+        self._linked: set[tuple[str, str]] = set()  # (hosts, mode) with a link row (_link_cases)
         self.notes: list[str] = []
         self.procs: list[WorkerProc] = []
         self.two: Any = None  # mq.tools.netns.TwoHosts while running two-hosts rows
@@ -459,11 +467,25 @@ class _Runner:
                 c.baseline = raw("raw:rpc", "auto", c.device, c.mode)
         return sorted(raws.values(), key=lambda r: (r.route, r.mq_type))
 
+    def _link_cases(self, hosts: str, mq_cases: list[Case]) -> list[Case]:
+        """Across hosts, the link row of each mode (``raw:socket``: a plain TCP stream into a
+        warm buffer), interleaved with the rows like a baseline, with or without baselines: a
+        row's ``link_fraction`` is this row's p50 over its own, same size, same moment. Once
+        per mode and run (the first group that has the mode measures it)."""
+        if hosts != "two" or not self.cfg.links:
+            return []
+        out = []
+        for mode in sorted({c.mode for c in mq_cases if c.mode in ZMQ_MODES}):
+            if (hosts, mode) not in self._linked:
+                self._linked.add((hosts, mode))
+                out.append(Case("raw", "raw:socket", "tcp", "cpu", hosts, mode))
+        return out
+
     def _run_group(self, hosts: str, name: str, cases: list[Case]) -> None:
         self.progress({"event": "group", "text": f"{'two hosts' if hosts == 'two' else 'same host'}: "
                                                   f"starting {name} workers"})
         self._start_pairs(hosts, cases)
-        raws = self._raw_cases(hosts, name, cases)
+        raws = self._raw_cases(hosts, name, cases) + self._link_cases(hosts, cases)
         self._start_pairs(hosts, raws)
         everything = cases + raws
         self.cases.extend(everything)

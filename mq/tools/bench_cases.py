@@ -87,7 +87,7 @@ class Case:
     (A, and one B per subscriber: none for a bound)."""
 
     kind: str  # "mq" | "raw" | "bound"
-    mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:rpc, raw:rpc-cuda | memcpy, d2d
+    mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:socket, raw:rpc, raw:rpc-cuda | memcpy, d2d
     route: str  # requested: auto/tcp/ipc/handle (mq), tcp/ipc (raw sockets), auto (rpc), warm (bound)
     device: str
     hosts: str
@@ -136,7 +136,7 @@ class Case:
                 "subscribers": self.subscribers, "messages": messages, "owned": self.owned}
 
 
-_RAW_KINDS = {"raw:pynng": "pynng", "raw:pyzmq": "zmq", "raw:rpc": "rpc"}
+_RAW_KINDS = {"raw:pynng": "pynng", "raw:pyzmq": "zmq", "raw:socket": "socket", "raw:rpc": "rpc"}
 
 
 @dataclass

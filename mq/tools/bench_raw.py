@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
+import socket
 import struct
 import tempfile
 import time
@@ -263,6 +265,118 @@ class ZmqEndpoint(SocketEndpoint):
             self.sock.close(linger=0)
             self.ctx.term()
         self._unlink()
+
+
+class StreamEndpoint(SocketEndpoint):
+    """The link itself: one plain TCP connection, each message an 8-byte length and the bytes,
+    sent from the payload's memory and received into a warm buffer reused per size (the best
+    a hand-written socket program does). Round trip and one-way; on two hosts it is the "link"
+    row every row's ``link_fraction`` is measured against (see :func:`add_link_fractions`)."""
+
+    _LEN = struct.Struct("<Q")
+
+    def __init__(self, role: str, spec: dict[str, Any]):
+        super().__init__(role, spec)
+        self.server: socket.socket | None = None
+        self.sock: socket.socket | None = None
+        self._buf = bytearray()
+
+    def prepare(self) -> dict[str, Any]:
+        if self.role != "A":
+            return {}
+        host = self.spec["host"]
+        self.server = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        return {"address": [host, self.server.getsockname()[1]]}
+
+    def _dial(self, peer: dict[str, Any]) -> None:
+        self._use(socket.create_connection(tuple(peer["address"]), CONNECT_TIMEOUT_S))
+
+    def _use(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(hard_timeout(MAX_SIZE))
+        self.sock = sock
+
+    def _greet(self) -> None:
+        assert self.sock is not None
+        self.sock.sendall(b"hello")
+
+    def _greeting(self) -> bytes:
+        assert self.server is not None
+        self.server.settimeout(CONNECT_TIMEOUT_S)
+        sock, _ = self.server.accept()
+        self._use(sock)
+        return self._exactly(5)
+
+    def _exactly(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            part = self.sock.recv(n - len(out))  # type: ignore[union-attr]
+            if not part:
+                raise Closed()
+            out += part
+        return out
+
+    def _message(self) -> memoryview:
+        """The next message, in the warm buffer (valid until the next one)."""
+        (n,) = self._LEN.unpack(self._exactly(8))
+        if len(self._buf) != n:
+            self._buf = bytearray(n)  # a new size: fault it in once, outside the next sample
+        view = memoryview(self._buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])  # type: ignore[union-attr]
+            if not k:
+                raise Closed()
+            got += k
+        return view
+
+    def _put(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        self.sock.sendall(self._LEN.pack(len(view)))  # type: ignore[union-attr]
+        self.sock.sendall(view)  # type: ignore[union-attr]
+
+    # -- A
+    def _set_timeout(self, timeout: float) -> None:
+        if self.sock is not None:  # None while A waits for B to connect (the greeting)
+            self.sock.settimeout(timeout)
+
+    def _send(self, t: Any) -> None:
+        self._put(host_array(t))
+
+    def _recv_echo(self) -> Any:
+        import numpy as np
+
+        return self._recv_echo_array(np.frombuffer(self._message(), dtype=np.uint8), self._payload.device)
+
+    def _recv_ack(self) -> Any:
+        return self._exactly(8)
+
+    # -- B
+    def _b_recv(self, timeout: float) -> Any:
+        try:
+            if not select.select([self.sock], [], [], timeout)[0]:
+                return None
+            return self._message()
+        except (OSError, ValueError) as exc:
+            raise Closed() from exc
+
+    def _b_echo(self, m: Any) -> None:
+        self._put(m)
+
+    def _b_ack(self, value: Any) -> None:
+        self.sock.sendall(struct.pack("<q", value))  # type: ignore[union-attr]
+
+    def _arrival(self, ack: Any) -> int:
+        return struct.unpack("<q", ack)[0]
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in (self.sock, self.server):
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+        super().close()
 
 
 class RpcEndpoint(Endpoint):

@@ -30,13 +30,27 @@ ROW_FIELDS = (
 )
 
 
+LINK_ROW = "raw:socket"  # the link row of a mode across hosts (bench_raw.StreamEndpoint)
+
+
 def add_link_fractions(rows: list[dict[str, Any]], links: list[dict[str, Any]]) -> None:
-    """Each measured row's Gbit/s over its hosts' raw socket stream measured in the same run
-    (``link_fraction``: 0.9 = 90% of the link), where both are known."""
+    """Each measured row's share of the link (``link_fraction``: 0.9 = 90% of the link), where
+    known: the p50 of the link row of its hosts, mode and size (a plain TCP stream into a warm
+    buffer, interleaved with it) over its p50; rows without one (fan-out, stream) against the
+    raw socket stream measured once in the same run (``links``)."""
     ceiling = {l["hosts"]: l["gbps"] for l in links if l.get("gbps")}
+    link_p50 = {(r["hosts"], r["mode"], r["size_bytes"]): r["p50_ms"] for r in rows
+                if r.get("mq_type") == LINK_ROW and r.get("p50_ms")}
     for r in rows:
+        r["link_fraction"] = None
+        if r.get("kind") == "bound" or r.get("mq_type") == LINK_ROW:
+            continue
+        same = link_p50.get((r.get("hosts"), r.get("mode"), r.get("size_bytes")))
         link = ceiling.get(r.get("hosts"))
-        r["link_fraction"] = round(r["gbps"] / link, 3) if link and r.get("gbps") and r.get("kind") != "bound" else None
+        if same and r.get("p50_ms"):
+            r["link_fraction"] = round(same / r["p50_ms"], 3)
+        elif link and r.get("gbps"):
+            r["link_fraction"] = round(r["gbps"] / link, 3)
 
 
 

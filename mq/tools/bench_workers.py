@@ -26,7 +26,7 @@ from mq.supervise import die_with_parent
 from mq.tools.bench_endpoint import (
     CONNECT_TIMEOUT_S, STREAM_BATCH_WINDOW, Closed, Endpoint, echo_back, hard_timeout, host_array,
 )
-from mq.tools.bench_raw import PynngEndpoint, RpcEndpoint, ZmqEndpoint
+from mq.tools.bench_raw import PynngEndpoint, RpcEndpoint, StreamEndpoint, ZmqEndpoint
 from mq.tools.bench_units import GB, MAX_SIZE, MB
 
 
@@ -340,7 +340,8 @@ class _LinkEndpoint(Endpoint):
         self._unlink()
 
 
-_ENDPOINTS = {"mq": _MqEndpoint, "pynng": PynngEndpoint, "zmq": ZmqEndpoint, "rpc": RpcEndpoint,
+_ENDPOINTS = {"mq": _MqEndpoint, "pynng": PynngEndpoint, "zmq": ZmqEndpoint, "socket": StreamEndpoint,
+              "rpc": RpcEndpoint,
               "bound": _BoundEndpoint, "d2d": _D2DBoundEndpoint, "link": _LinkEndpoint}
 
 

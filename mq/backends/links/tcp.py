@@ -35,7 +35,11 @@ from mq.backends.links.base import Receiver, Sender, listener
 from mq.codec import Frame, empty_buffer
 from mq.errors import ProtocolError, Timeout
 
-PIECE = 256 << 10  # at most this much of a frame per record: what a timed-out send may still owe
+# At most this much of a frame per record: what a timed-out send may still owe. Measured across
+# a veth pair (two network namespaces), 640 MB frames, p50 of 6, three interleaved rounds:
+# 64 KiB 224-283 ms, 128 KiB 178-224, 256 KiB 152-180, 512 KiB 150-229, 1 MiB 203-315,
+# 4 MiB 226-270 (over loopback larger pieces won: 4 MiB 126-136 ms, 256 KiB 192-435).
+PIECE = 256 << 10
 COPY_MAX = 64 << 10  # frames up to this size are copied into one record; larger ones gathered
 _HEAD = struct.Struct("<BxxxIQ")  # tag, piece length, frame size (BEGIN only)
 BEGIN, MORE, ABORT = 1, 2, 3
