@@ -90,3 +90,25 @@ def test_mutated_seeds_of_each_fuzz_target_raise_only_protocol_errors(name):
         run()
     finally:
         targets.close()
+
+
+def test_the_structure_aware_mutator_stays_small():
+    # CI's fuzz run once died of libFuzzer's 2 GB rss limit inside the harness, not in mq: this
+    # mutation nested repeated extension values into ~1 GB of packed bytes.
+    import tracemalloc
+
+    from tests.fuzz.mutate import mutate
+
+    frame = bytes.fromhex(
+        "2a0000009a0200ab7472616e736974696f6e73010000c409cbfff0000000000000924010c0cb3ff0000000"
+        "000000000000000000000000000000000000000000000000000000803f0000004000004040000080400000"
+        "a0400000c0400000e040000000410000104100002041000030410000404100005041000060410000704136"
+        "bb85a8ffff19959d83e62ac5df9d1c")
+    tracemalloc.start()
+    try:
+        for seed in range(50_600, 50_700):
+            mutate(frame, 8192, seed, lambda data, _max: data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, f"the mutator used {peak >> 20} MiB"

@@ -36,6 +36,7 @@ SHAPES = [[], [0], [1], [4, 4], [3], [2**62], [-1], [2**20, 2**14], [0, 2**63 - 
           [2**31, 2**31, 0], [0, 2**64 - 1], "x", None, [1.5], [True], [[1]]]
 INDICES = [0, 1, 2, 3, -1, 2**16, 2**63 - 1, 2**64 - 1, None, "0", 1.0, True]
 EXT_CODES = [1, 2, 3, 4, 5, 0, 6, 127]
+_REPEAT_BYTES = 64 << 10  # a repeated extension value packs to at most about this much
 
 
 def mutate(data: bytes, max_size: int, seed: int, bytewise: Callable[[bytes, int], bytes]) -> bytes:
@@ -207,7 +208,11 @@ def _value(rng: random.Random, depth: int) -> Any:
     if kind == 6:
         return {_value(rng, 0): _value(rng, depth - 1) for _ in range(rng.randrange(4))}
     if kind == 7:  # one extension value many times: amplification through repeated references
-        return [_ext(rng, depth - 1)] * rng.choice([2, 50, 500])
+        ext = _ext(rng, depth - 1)
+        # Packed, the references are copies: nested inside each other they multiply, and one
+        # mutation once packed ~1 GB here (libFuzzer's rss limit, in the harness, not in mq).
+        most = max(2, _REPEAT_BYTES // max(1, len(ext.data)))
+        return [ext] * min(rng.choice([2, 50, 500]), most)
     return _ext(rng, depth - 1)
 
 
