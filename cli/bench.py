@@ -98,6 +98,9 @@ def _fail(message: str) -> click.ClickException:
                    "(to 10MB) and stream; writes json/csv/md/png into --out (default bench-results/).")
 @click.option("--no-baseline", is_flag=True, help="skip the raw pynng / raw torch RPC rows.")
 @click.option("--no-links", is_flag=True, help="skip the raw socket stream (link ceiling) measurement.")
+@click.option("--split-cpus", is_flag=True,
+              help="--two-hosts: run each host's workers on its own half of the CPUs, as separate "
+                   "machines (default: the scheduler places them).")
 @click.option("--busy-poll/--no-busy-poll", "busy_poll", default=None,
               help="the mq nodes' busy_poll option (see mq run --help). Default: the transports' "
                    "default (on).")
@@ -111,7 +114,7 @@ def _fail(message: str) -> click.ClickException:
 def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, ...],
           subscribers: int, messages: int, device: str, sizes: str | None,
           max_seconds: float | None, target_seconds: float, min_samples: int, max_samples: int,
-          warmup: int, two_hosts: bool, fan_hosts: str | None, suite: bool, no_baseline: bool, no_links: bool, busy_poll: bool | None, fmt: str,
+          warmup: int, two_hosts: bool, fan_hosts: str | None, suite: bool, no_baseline: bool, no_links: bool, split_cpus: bool, busy_poll: bool | None, fmt: str,
           out_dir: str | None, plot_path: str | None, quiet: bool) -> None:
     """Latency (round trip, one-way, fan-out) and stream throughput between processes per mq
     type, route and size, against raw pynng, raw pyzmq and raw torch RPC and the memcpy bound
@@ -158,7 +161,7 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
         sizes=size_list, hosts=hosts,
         max_seconds=max_seconds if max_seconds is not None else (SUITE_MAX_SECONDS if suite else 10.0),
         target_seconds=target_seconds, min_samples=min_samples, max_samples=max_samples,
-        warmup=warmup, baselines=not no_baseline, links=not no_links, modes=list(modes),
+        warmup=warmup, baselines=not no_baseline, links=not no_links, split_cpus=split_cpus, modes=list(modes),
         subscribers=subscribers, messages=messages, mode_sizes=mode_sizes, busy_poll=busy_poll,
     )
     report = _measure(cfg, quiet)

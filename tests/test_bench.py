@@ -489,3 +489,13 @@ def test_two_hosts_rows_give_their_fraction_of_the_link_measured_in_the_same_run
             {"kind": "mq", "mq_type": "nng", "p50_ms": 300.0, "gbps": 18.0, **two, "size_bytes": 640 << 20}]
     add_link_fractions(rows, [{"hosts": "two", "link": "veth tcp", "gbps": 20.0}])
     assert [r["link_fraction"] for r in rows] == [0.9, None, 0.9]  # the last: no link row of its size
+
+
+def test_two_hosts_get_their_own_halves_of_the_cpus(monkeypatch):
+    from mq.tools import bench as lib
+
+    monkeypatch.setattr(lib.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    assert (lib.host_cpus("A"), lib.host_cpus("B")) == ([0, 1], [2, 3])
+    monkeypatch.setattr(lib.os, "sched_getaffinity", lambda _pid: {5})
+    assert lib.host_cpus("A") is None and lib.host_cpus("B") is None
+    assert not lib.BenchConfig().split_cpus  # --split-cpus turns it on

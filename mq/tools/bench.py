@@ -82,6 +82,7 @@ import contextlib
 import logging
 import math
 import multiprocessing as mp
+import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -146,6 +147,9 @@ class BenchConfig:
     warmup: int = 5
     baselines: bool = True
     links: bool = True  # measure raw socket stream ceilings (loopback/unix, veth)
+    # Two hosts: each side's workers on its own half of this machine's CPUs, as separate
+    # machines have their own (see host_cpus); False (default) lets the scheduler place them.
+    split_cpus: bool = False
     link_seconds: float = 2.0
     modes: Sequence[str] = ("roundtrip",)
     subscribers: int = 4  # fan-out: N subscribers (and the same run with 1, for the ratio)
@@ -385,6 +389,8 @@ class _Runner:
         exe = None
         if hosts == "two" and role == "B":
             exe = self.two.wrapper()
+        if hosts == "two" and self.cfg.split_cpus:
+            spec = {**spec, "cpus": host_cpus(role)}
         p = WorkerProc(self.ctx, role, spec, executable=exe)
         self.procs.append(p)
         return p
@@ -617,6 +623,21 @@ class _Runner:
             self.links.append(row)
             self.progress({"event": "note", "text": f"{label} ceiling: "
                                                      f"{row['gbps'] if row['gbps'] else row['error']} Gbit/s"})
+
+
+def host_cpus(role: str) -> list[int] | None:
+    """The CPUs of host ``role`` (A: the first half of ours, B: the rest) in a two-host run, or
+    None with fewer than two. Two namespace hosts on one small machine otherwise share cores
+    as the scheduler likes: on the 2-core VM a 640 MB one-way took 370-410 ms with both sides on
+    one CPU and 155-185 ms on one each, and unpinned runs fell into the first mode now and then,
+    for the whole run. Separate machines never share a core; but one core per host also
+    serializes each side's threads: with it, 1.25 MB and 10 MB one-way rows got slower than raw
+    pyzmq in 2 of 3 runs, so it is an option (``--split-cpus``), not the default."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return cpus[:half] if role == "A" else cpus[half:]
 
 
 def plan_bounds(cfg: BenchConfig) -> dict[str, Case]:

@@ -350,6 +350,8 @@ def worker(role: str, spec: dict[str, Any], conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the orchestrator's to handle
     die_with_parent()
     os.environ.update(spec.get("env") or {})
+    if spec.get("cpus"):  # a two-host run gives each host its own CPUs (bench.host_cpus)
+        os.sched_setaffinity(0, spec["cpus"])
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # TensorPipe's shutdown warnings
     warnings.filterwarnings("ignore")
     # Worker failures come back through the pipe; library log noise (e.g. from stop()) would
