@@ -216,8 +216,6 @@ def parse_labels(labels: Any, node_ids: list[int]) -> dict[int, list[str]]:
     return {n: norm(labels) for n in node_ids}
 
 
-
-
 @dataclass(frozen=True)
 class LaunchRequest:
     """What a job asks the launcher for: the ``mq run`` flags, and :func:`launch`'s options.
