@@ -391,6 +391,7 @@ def test_bench_two_hosts_end_to_end_and_namespaces_gone():
     assert {r["size_bytes"] for r in link_rows} == {r["size_bytes"] for r in mq_rows}
     assert all(r["samples"] >= 1 and r["link_fraction"] is None for r in link_rows)
     assert all(r["link_fraction"] > 0 for r in mq_rows)
+    assert [n for n in report["notes"] if n.startswith("two hosts: both namespace hosts share")]
     assert _our_namespaces(os.getpid()) == []
     assert not [link for link in netns.list_links() if link.startswith(f"{netns.LINK_PREFIX}{os.getpid()}h")]
 
@@ -499,3 +500,14 @@ def test_two_hosts_get_their_own_halves_of_the_cpus(monkeypatch):
     monkeypatch.setattr(lib.os, "sched_getaffinity", lambda _pid: {5})
     assert lib.host_cpus("A") is None and lib.host_cpus("B") is None
     assert not lib.BenchConfig().split_cpus  # --split-cpus turns it on
+
+
+def test_a_two_host_report_says_whose_cpus_the_hosts_shared(monkeypatch):
+    from mq.tools import bench as lib
+
+    monkeypatch.setattr(lib.os, "sched_getaffinity", lambda _pid: {0, 1})
+    shared = lib.two_hosts_cpus_note(False)
+    assert "share this machine's 2 CPUs" in shared and "--split-cpus" in shared
+    assert "own 1 of this machine's 2 CPUs" in lib.two_hosts_cpus_note(True)
+    monkeypatch.setattr(lib.os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert lib.two_hosts_cpus_note(False) == "two hosts: both namespace hosts share this machine's 16 CPUs"

@@ -287,6 +287,7 @@ class _Runner:
                                 self._record_unrun(cases + self._raw_cases(hosts, name, cases, reason))
                             self.notes.append(f"two hosts not measured: {reason}")
                             continue
+                        self.notes.append(two_hosts_cpus_note(self.cfg.split_cpus))
                     try:
                         if self.cfg.links:
                             self._measure_links(hosts)
@@ -638,6 +639,19 @@ def host_cpus(role: str) -> list[int] | None:
         return None
     half = len(cpus) // 2
     return cpus[:half] if role == "A" else cpus[half:]
+
+
+def two_hosts_cpus_note(split: bool) -> str:
+    """What the report says of the CPUs the two namespace hosts ran on."""
+    n = len(os.sched_getaffinity(0))
+    if split and n >= 2:
+        return f"two hosts: each namespace host's workers on its own {n // 2} of this machine's {n} CPUs (--split-cpus)"
+    note = f"two hosts: both namespace hosts share this machine's {n} CPU{'s' if n > 1 else ''}"
+    if n < 4:  # too few for each side of a large transfer to keep a core (host_cpus)
+        note += (": a large transfer then also measures whether the scheduler put both sides on one "
+                 "CPU (about 2x slower at 640 MB on a 2-core VM, any socket program alike); "
+                 "--split-cpus gives each host its own")
+    return note
 
 
 def plan_bounds(cfg: BenchConfig) -> dict[str, Case]:
