@@ -396,6 +396,28 @@ def test_bench_two_hosts_end_to_end_and_namespaces_gone():
     assert not [link for link in netns.list_links() if link.startswith(f"{netns.LINK_PREFIX}{os.getpid()}h")]
 
 
+@pytest.mark.netns
+@pytest.mark.timeout(300)
+@needs_netns
+def test_torchrpc_across_hosts_moves_text_and_tensor_frames_intact():
+    """Two torchrpc nodes in their own network and PID namespaces (no cma between them): 20 KB
+    frames travel as text (under REMOTE_INLINE_MAX), 100 KB ones as tensors; the bench checks
+    each echo against what was sent."""
+    result = _invoke(["--two-hosts", "--mq-type", "torchrpc:cpu", "--sizes", "20KB,100KB", "--max-seconds", "8",
+                      "--target-seconds", "0.2", "--min-samples", "3", "--max-samples", "20", "--warmup", "2",
+                      "-q", "--no-links", "--no-baseline", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    rows = [r for r in json.loads(_stdout(result))["rows"] if r["kind"] == "mq"]
+    from mq.backends.torchrpc.wire import INLINE_MAX, REMOTE_INLINE_MAX
+
+    small, large = sorted(r["size_bytes"] for r in rows)
+    assert INLINE_MAX < small <= REMOTE_INLINE_MAX < large, rows
+    for r in rows:
+        assert r["hosts"] == "two" and r["samples"] >= 3 and not r["skipped"], r
+        assert r["link_bytes"] >= 2 * r["size_bytes"] * r["samples"]
+    assert _our_namespaces(os.getpid()) == []
+
+
 def _processes_with(marker: str) -> list[int]:
     pids = []
     for pid in os.listdir("/proc"):

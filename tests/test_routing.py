@@ -344,6 +344,19 @@ def test_tensorpipe_cpu_same_host_no_rdma():
     assert "ibv" in opts["dropped"]
 
 
+def test_frames_to_a_peer_without_cma_go_as_text_up_to_the_remote_inline_bound():
+    from mq.backends.torchrpc.tensorpipe import inline_max
+    from mq.backends.torchrpc.wire import INLINE_MAX, REMOTE_INLINE_MAX
+
+    assert REMOTE_INLINE_MAX > INLINE_MAX
+    me = node()
+    assert inline_max(me, node(pid=200)) == INLINE_MAX  # same host and PID namespace: tensors take cma
+    assert inline_max(me, node(pid=200, pid_ns="pid:[4026532999]")) == REMOTE_INLINE_MAX  # no cma
+    assert inline_max(me, node(boot_id=BOOT_B)) == REMOTE_INLINE_MAX  # another host: mpt_uv
+    assert inline_max(me, node(boot_id=None)) == REMOTE_INLINE_MAX  # unknown: as TensorPipe lists it
+    assert inline_max(me, None) == REMOTE_INLINE_MAX
+
+
 def test_tensorpipe_shm_transport_only_with_busy_poll():
     peers = {1: node(pid=200), 2: node(boot_id=BOOT_B)}
     assert "shm" in tensorpipe_options(node(), peers, cuda=False)["_transports"]

@@ -343,3 +343,24 @@ def test_cuda_tensor_is_staged_through_host_with_torchrpc_cpu():
         res = g.results()
         g.join()
     assert res[0] == {"device": "cuda:0", "ok": True, "cpu_device": "cpu"}
+
+
+def test_a_frame_goes_as_text_or_tensors_by_the_peers_inline_bound_and_both_forms_come_back():
+    """to_rpc: one frame, two peers (same host: 8 KiB as text, another host: 64 KiB); each form
+    is made once and decodes to the same bytes."""
+    from mq.backends.torchrpc.wire import INLINE_MAX, REMOTE_INLINE_MAX, frame_parts, to_rpc
+    from mq.codec import MSG, Codec
+
+    codec = Codec(keep_tensors=True)
+    payload = np.arange(20 << 10, dtype=np.uint8)
+    frame = codec.encode(MSG, "t", 0, 1, 0, payload)
+    local = to_rpc(frame, staged=True, copy_threshold=1 << 20, inline_max=INLINE_MAX)
+    remote = to_rpc(frame, staged=True, copy_threshold=1 << 20, inline_max=REMOTE_INLINE_MAX)
+    assert len(local.buffers) == 1 and not remote.buffers  # 20 KB: a tensor here, text there
+    assert to_rpc(frame, staged=True, copy_threshold=1 << 20, inline_max=REMOTE_INLINE_MAX) is remote
+    assert to_rpc(frame, staged=True, copy_threshold=1 << 20) is local
+    for out in (local, remote):
+        head, views = frame_parts(out.text, list(out.buffers), 1 << 30)
+        assert np.array_equal(codec.decode(head, views).payload, payload)
+    big = codec.encode(MSG, "t", 0, 2, 0, np.zeros(REMOTE_INLINE_MAX + 1, np.uint8))
+    assert to_rpc(big, staged=True, copy_threshold=1 << 20, inline_max=REMOTE_INLINE_MAX).buffers

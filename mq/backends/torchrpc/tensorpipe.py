@@ -18,9 +18,10 @@ from typing import Any, Mapping
 
 from mq.errors import ConfigError
 from mq.locality import Locality
+from mq.backends.torchrpc.wire import INLINE_MAX, REMOTE_INLINE_MAX
 from mq.routing import known_same, rdma_ports_text
 
-__all__ = ["TP_CHANNELS", "TP_TRANSPORTS", "must_restrict", "reachable_listen", "is_loopback",
+__all__ = ["TP_CHANNELS", "TP_TRANSPORTS", "inline_max", "must_restrict", "reachable_listen", "is_loopback",
            "check_socket_ifname", "tensorpipe_options"]
 
 # TensorPipe's own names, in its priority order.
@@ -81,6 +82,17 @@ def check_socket_ifname(local: Locality, socket_ifname: str) -> str:
     return socket_ifname
 
 
+def inline_max(local: Locality, remote: Locality | None) -> int:
+    """The most buffer bytes a frame to ``remote`` carries as text rather than as RPC tensors:
+    more where its tensors cannot take ``cma`` (another host, another PID namespace, or not
+    known) and take the costlier ``mpt_uv`` (see :data:`~.wire.REMOTE_INLINE_MAX`)."""
+    return INLINE_MAX if remote is not None and _can_cma(local, remote) else REMOTE_INLINE_MAX
+
+
+def _can_cma(local: Locality, r: Locality) -> bool:
+    return _same_host(local, r) and known_same(local.pid_ns, r.pid_ns)
+
+
 def _same_host(local: Locality, r: Locality) -> bool:
     return known_same(local.boot_id, r.boot_id)
 
@@ -112,7 +124,7 @@ def _channels(local: Locality, peers: list[Locality], cuda: bool, dropped: dict[
     else:
         why = "no GPU on this node" if cuda else "CPU-only backend (cuda=False)"
         dropped.update({name: why for name in _CUDA_CHANNELS})
-    if any(_same_host(local, r) and known_same(local.pid_ns, r.pid_ns) for r in peers):
+    if any(_can_cma(local, r) for r in peers):
         channels.append("cma")
     else:
         dropped["cma"] = "no peer shares this node's boot id and PID namespace"

@@ -63,7 +63,7 @@ from mq.backends.torchrpc.options import TorchRpcOptions
 from mq.backends.torchrpc.receiver import Receiver
 from mq.backends.torchrpc.streams import Link
 from mq.backends.torchrpc.wire import (CREDIT, NOT_SERVED, RPC_TIMED_OUT, WANT, Outgoing, buffers_for,
-                                       claim_agent, deliver_script, frame_parts, inline_text,
+                                       INLINE_MAX, claim_agent, deliver_script, frame_parts,
                                        keep_thread_state, release_agent, request_script,
                                        rpc_async, settle_cuda, short, to_rpc)
 from mq.codec import Frame
@@ -133,6 +133,7 @@ class TorchRpcTransport(Transport):
         self.local_cuda_devices = list(options.local_cuda_devices) if options.local_cuda_devices is not None else None
         self.device_maps = options.device_maps_for(node_id)
         self.tp_device_maps: dict[int, dict[int, int]] = {}  # what TensorPipe gets (see _maps_for_tensorpipe)
+        self._inline_max: dict[int, int] = {}  # by peer: frames up to this go as text (tensorpipe.inline_max)
         self.incarnation = uuid.uuid4().hex
         self.tp_options: dict[str, Any] = {}
         peers = [p for p in range(world_size) if p != node_id]
@@ -194,6 +195,7 @@ class TorchRpcTransport(Transport):
         tp = tensorpipe.tensorpipe_options(self.locality, remote, cuda=cuda,
                                            socket_ifname=self.socket_ifname, busy_poll=self.busy_poll)
         self.tp_options = tp
+        self._inline_max = {p: tensorpipe.inline_max(self.locality, remote.get(p)) for p in self._links}
         os.environ.update(tp["env"])  # TP_SOCKET_IFNAME: read when the agent starts
         kwargs: dict[str, Any] = {}
         needed = tensorpipe.must_restrict(tp["dropped"], self.locality, remote, cuda=cuda,
@@ -301,10 +303,11 @@ class TorchRpcTransport(Transport):
             release_agent(self)
 
     # ------------------------------------------------------------------ sending
-    def _tensors(self, frame: Frame, borrow: bool = False) -> Outgoing:
-        """The frame as RPC arguments (:func:`~mq.backends.torchrpc.wire.to_rpc`), converted
-        once per frame: publish shares it."""
-        return to_rpc(frame, staged=self.device == "cpu", copy_threshold=self.copy_threshold, borrow=borrow)
+    def _tensors(self, peer: int, frame: Frame, borrow: bool = False) -> Outgoing:
+        """The frame as RPC arguments for ``peer`` (:func:`~mq.backends.torchrpc.wire.to_rpc`),
+        converted once per frame and form: a publish shares it."""
+        return to_rpc(frame, staged=self.device == "cpu", copy_threshold=self.copy_threshold, borrow=borrow,
+                      inline_max=self._inline_max.get(peer, INLINE_MAX))
 
     def _buffers_for(self, peer: int, out: Outgoing) -> list[torch.Tensor]:
         return buffers_for(out, self.tp_device_maps.get(peer, {}) if self.device == "cuda" else None)
@@ -313,7 +316,7 @@ class TorchRpcTransport(Transport):
         link = self._links.get(peer)
         if link is None:
             raise PeerLost(f"node {peer} is not in this torch RPC group (world_size={self.world_size})")
-        encoded = self._tensors(frame)
+        encoded = self._tensors(peer, frame)
         buffers = self._buffers_for(peer, encoded)
         deadline = time.monotonic() + timeout
         with link.cond:
@@ -384,7 +387,7 @@ class TorchRpcTransport(Transport):
         link = self._links.get(peer)
         if link is None:
             raise PeerLost(f"node {peer} is not in this torch RPC group (world_size={self.world_size})")
-        out = self._tensors(frame, borrow=True)  # we wait for the answer: the peer has them then
+        out = self._tensors(peer, frame, borrow=True)  # we wait for the answer: the peer has them then
         buffers = self._buffers_for(peer, out)
         answered = threading.Lock()  # released by the answer, or by _wake (lost link, close)
         answered.acquire()
@@ -467,10 +470,7 @@ class TorchRpcTransport(Transport):
                 raise RuntimeError(f"{NOT_SERVED}: {type(exc).__name__}") from None
             if reply is None:
                 return "", []
-            text = inline_text(reply)
-            if text is not None:
-                return text, []
-            out = self._tensors(reply)  # the copy rules of send: the handler's result may change
+            out = self._tensors(sender, reply)  # the copy rules of send: the handler's result may change
             return out.text, self._buffers_for(sender, out)
         finally:
             with self._request_lock:

@@ -6,7 +6,8 @@ A frame is one RPC to the TorchScript function :func:`deliver_script`, which cal
 ``mq::deliver(int sender, int seq, int ack, str frame, Tensor[] buffers) -> int``:
 
 * ``frame``: bytes as latin-1 text (one character per byte). A small frame (buffers of at most
-  ``INLINE_MAX`` = 8 KiB, all in host memory) travels whole in it, in the codec's contiguous
+  ``INLINE_MAX`` = 8 KiB, all in host memory; ``REMOTE_INLINE_MAX`` = 64 KiB to a peer whose
+  tensors cannot take TensorPipe's ``cma`` channel) travels whole in it, in the codec's contiguous
   layout (:mod:`mq.codec`, the one NNG sends), and ``buffers`` is empty: no RPC tensor, each
   of which costs TensorPipe a channel transfer (~0.1 ms here). Otherwise it holds the u32
   length prefix and the codec's frame header (the same envelope every transport carries; shm
@@ -86,6 +87,11 @@ U32 = struct.Struct("<I")
 # 2-core reference VM: 8 KiB 0.20 ms as text, 0.28 ms as a tensor; 20 KiB 0.35 against 0.28).
 # An mq call of 4 KB / 8 KB took 0.52-0.56 ms inline against 0.62-0.66 ms with a 2 KiB bound.
 INLINE_MAX = 8 << 10
+# A peer on another host (or in another PID namespace) gets its tensors over TensorPipe's
+# multiplexed channel (mpt_uv), which costs far more per RPC than cma: across a veth (two
+# namespace hosts, 2-core VM) a script RPC took 0.65-0.75 ms with a 1-64 KiB tensor against
+# 0.27-0.37 ms with the same bytes as text (256 KiB: 0.64-1.45 as text, 0.65 as a tensor).
+REMOTE_INLINE_MAX = 64 << 10
 
 
 # ---------------------------------------------------------------------- the wire entry point
@@ -239,17 +245,23 @@ class Outgoing:
     staged: dict[int, torch.Tensor] = field(default_factory=dict)  # CUDA buffer index -> host copy
 
 
-def to_rpc(frame: Frame, *, staged: bool, copy_threshold: int, borrow: bool = False) -> Outgoing:
-    """The frame as RPC arguments, converted once per frame (publish shares it): all of it
-    as text when it is small, else its header as text and its buffers as RPC tensors.
-    ``staged``: CUDA tensors go through host memory (torchrpc:cpu). ``borrow``: never copy
-    the caller's buffers (it waits until the peer has them anyway)."""
+def to_rpc(frame: Frame, *, staged: bool, copy_threshold: int, borrow: bool = False,
+           inline_max: int = INLINE_MAX) -> Outgoing:
+    """The frame as RPC arguments, converted once per frame and form (publish shares them):
+    all of it as text when its buffers hold at most ``inline_max`` bytes, else its header as
+    text and its buffers as RPC tensors. ``staged``: CUDA tensors go through host memory
+    (torchrpc:cpu). ``borrow``: never copy the caller's buffers (it waits until the peer has
+    them anyway)."""
+    if sum(frame.sizes) <= inline_max:
+        out = frame.layout.get("torchrpc-text")
+        if out is None:
+            text = inline_text(frame, inline_max)
+            if text is not None:  # copied into the text: the caller may change its buffers at once
+                out = frame.layout["torchrpc-text"] = Outgoing(text, [], len(text), borrowed=False)
+        if out is not None:
+            return out
     out = frame.layout.get("torchrpc")
     if out is not None:
-        return out
-    text = inline_text(frame)
-    if text is not None:  # copied into the text: the caller may change its buffers at once
-        out = frame.layout["torchrpc"] = Outgoing(text, [], len(text), borrowed=False)
         return out
     text = (U32.pack(len(frame.header)) + frame.header).decode("latin-1")
     raw = frame.buffers
@@ -317,10 +329,10 @@ def latin1(text: str) -> bytearray:
         raise ProtocolError("frame text is not latin-1 (bytes)") from None
 
 
-def inline_text(frame: Frame) -> str | None:
+def inline_text(frame: Frame, limit: int = INLINE_MAX) -> str | None:
     """A small frame whole, in the codec's contiguous layout (:mod:`mq.codec`), as latin-1
-    text; None when its buffers hold more than ``INLINE_MAX`` bytes or a tensor off the host."""
-    if sum(frame.sizes) > INLINE_MAX:
+    text; None when its buffers hold more than ``limit`` bytes or a tensor off the host."""
+    if sum(frame.sizes) > limit:
         return None
     out = bytearray(frame.size)
     U32.pack_into(out, 0, len(frame.header))
