@@ -37,6 +37,17 @@ def nbytes_of(obj: Any) -> int:
     return 0
 
 
+def recv_exactly(sock: Any, n: int) -> bytes | None:
+    """``n`` bytes from a blocking socket, or None if the peer closed first."""
+    out = b""
+    while len(out) < n:
+        part = sock.recv(n - len(out))
+        if not part:
+            return None
+        out += part
+    return out
+
+
 def hard_timeout(size: int) -> float:
     """Longest a single round trip may take before the row is declared hung."""
     return 30.0 + size / 25e6

@@ -14,7 +14,7 @@ from typing import Any
 
 from mq.tools.bench_endpoint import (
     CONNECT_TIMEOUT_S, Closed, Endpoint, ack_now, ack_ready, echo_back, echo_ready, hard_timeout,
-    host_array,
+    host_array, recv_exactly,
 )
 from mq.tools.bench_units import MAX_SIZE
 
@@ -308,12 +308,9 @@ class StreamEndpoint(SocketEndpoint):
         return self._exactly(5)
 
     def _exactly(self, n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            part = self.sock.recv(n - len(out))  # type: ignore[union-attr]
-            if not part:
-                raise Closed()
-            out += part
+        out = recv_exactly(self.sock, n)
+        if out is None:
+            raise Closed()
         return out
 
     def _message(self) -> memoryview:

@@ -25,6 +25,7 @@ from typing import Any
 from mq.supervise import die_with_parent
 from mq.tools.bench_endpoint import (
     CONNECT_TIMEOUT_S, STREAM_BATCH_WINDOW, Closed, Endpoint, echo_back, hard_timeout, host_array,
+    recv_exactly,
 )
 from mq.tools.bench_raw import PynngEndpoint, RpcEndpoint, StreamEndpoint, ZmqEndpoint
 from mq.tools.bench_units import GB, MAX_SIZE, MB
@@ -288,12 +289,9 @@ class _LinkEndpoint(Endpoint):
         view = memoryview(buf)
         try:
             while True:
-                head = b""
-                while len(head) < 8:
-                    part = sock.recv(8 - len(head))
-                    if not part:
-                        return
-                    head += part
+                head = recv_exactly(sock, 8)
+                if head is None:
+                    return
                 (left,) = struct.unpack("!Q", head)
                 while left:
                     got = sock.recv_into(view[: min(left, self.CHUNK)])

@@ -16,9 +16,9 @@ import ipaddress
 import socket
 from typing import Any, Mapping
 
+from mq.backends.torchrpc.wire import INLINE_MAX, REMOTE_INLINE_MAX
 from mq.errors import ConfigError
 from mq.locality import Locality
-from mq.backends.torchrpc.wire import INLINE_MAX, REMOTE_INLINE_MAX
 from mq.routing import known_same, rdma_ports_text
 
 __all__ = ["TP_CHANNELS", "TP_TRANSPORTS", "inline_max", "must_restrict", "reachable_listen", "is_loopback",
