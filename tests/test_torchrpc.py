@@ -136,6 +136,21 @@ def test_sigkilled_peer_raises_within_bound_and_stop_is_bounded():
 
 
 @pytest.mark.timeout(120)
+def test_frames_stay_in_order_while_the_recv_caller_and_the_delivery_thread_take_turns():
+    # Node 0's frames are delivered by its recv() caller while it reads and by the delivery
+    # thread while it does not: order and count must not depend on who did (both streams), a
+    # handler must keep getting frames once no caller reads, and a recv() blocked in the reader
+    # must end with ClosedError when the queue stops.
+    with Group(peer.handover, 2) as g:
+        res = g.results()
+        g.join()
+    r = res[0]
+    assert r["r"], f"recv() stream lost, duplicated or reordered (head {r['r_head']})"
+    assert r["h"], f"handler stream wrong: {r['h_count']} of 800, or out of order"
+    assert r["closed"]["raised"] == "ClosedError" and r["closed"]["after_s"] < 6, r["closed"]
+
+
+@pytest.mark.timeout(120)
 def test_stop_abandons_a_hanging_rpc_shutdown_and_the_process_exits():
     with Group(peer.stop_abandoned, 2) as g:
         res = g.results()

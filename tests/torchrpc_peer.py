@@ -327,6 +327,76 @@ def idle_cpu(node_id: int, world_size: int, init_method: str, **options: Any) ->
                 "got": float(got.sum()), "answer": answer}
 
 
+def handover(node_id: int, world_size: int, init_method: str) -> Any:
+    """Who delivers node 0's frames keeps changing: its recv() caller (reading for itself) and
+    its delivery thread (while no caller reads), with pauses around the caller's grace period.
+    Node 1 streams numbered "r" messages (for recv) and "h" ones (for a handler) in bursts; node
+    0 checks both orders, then lets its handler take more "h" with no caller at all, then stops
+    the queue under a blocked recv()."""
+    import random
+    import sys
+    import threading
+
+    total_r, first_h, more_h = 1500, 500, 300
+    rng = random.Random(node_id)
+    sys.setswitchinterval(1e-5)  # threads interleave often: a race in the hand-over shows
+    with _create(node_id, world_size, init_method) as q:
+        handled: list[int] = []
+        if node_id == 0:  # before node 1 can send: an "h" must never reach recv()
+            q.subscribe("h", lambda m: handled.append(m.payload))
+        q.wait_for_peers(1, timeout=20)
+        if node_id == 1:
+            h = 0
+            for i in range(total_r):
+                q.send(0, "r", i)
+                if i % 3 == 0:
+                    q.send(0, "h", h)
+                    h += 1
+                if i % 50 == 0:
+                    time.sleep(rng.uniform(0, 0.006))
+            assert h == first_h
+            _recv_until(q, 1)  # "go": node 0's caller has left for good
+            for _ in range(more_h):
+                q.send(0, "h", h)
+                h += 1
+            _recv_until(q, 1)  # "bye"
+            return {}
+        got: list[int] = []
+        timeouts = 0
+        while len(got) < total_r:
+            try:
+                got.append(q.recv(timeout=rng.choice([0.0005, 0.002, 0.02])).payload)
+            except mq.Timeout:
+                timeouts += 1
+            if rng.random() < 0.1:
+                time.sleep(rng.uniform(0, 0.005))  # sometimes longer than the grace period
+        q.send(1, "go", None)
+        deadline = time.monotonic() + 15
+        while len(handled) < first_h + more_h and time.monotonic() < deadline:
+            time.sleep(0.01)
+        q.send(1, "bye", None)
+        # A recv() blocked (holding the reader token) when the queue stops: ClosedError, soon.
+        outcome: dict[str, Any] = {}
+
+        def blocked() -> None:
+            t0 = time.monotonic()
+            try:
+                q.recv(timeout=30)
+                outcome["raised"] = None
+            except Exception as exc:
+                outcome["raised"] = type(exc).__name__
+            outcome["after_s"] = time.monotonic() - t0
+
+        reader = threading.Thread(target=blocked)
+        reader.start()
+        time.sleep(0.3)
+        q.stop(timeout=5)
+        reader.join(10)
+        return {"r": got == list(range(total_r)), "r_head": got[:5], "timeouts": timeouts,
+                "h": handled == list(range(first_h + more_h)), "h_count": len(handled),
+                "closed": outcome}
+
+
 def _python_udf(x: int) -> int:
     return x + 1
 

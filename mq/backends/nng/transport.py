@@ -45,14 +45,13 @@ from mq.backends.nng.wire import msg_view, send_msg
 from mq.codec import ALIGN, Frame, split, split_batch
 from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError
 from mq.locality import local
+from mq.reader_token import GRACE_S, ReaderToken
 from mq.rendezvous import Rendezvous, attach_targets
 from mq.routing import BACKEND_ROUTES, Route
 from mq.transport import Events, Transport
 
 log = logging.getLogger("mq.nng")
 
-# After a recv() caller leaves, the I/O thread waits this long before reading for itself.
-_CALLER_GRACE_S = 0.002
 _MAX_LINKS = 1024  # accepted unix and tcp links kept at once (peers, and strangers)
 _LINK_CONNECT_S = 2.0  # a tcp link not open by then (a firewall drops it): NNG's tcp instead
 
@@ -94,10 +93,7 @@ class NngTransport(Transport):
         self._bootstrap: dict[str, pynng.Push0] = {}  # greeting token -> its socket
         self._bootstrap_to: dict[str, str] = {}  # target -> its latest greeting token
         self._reader: threading.Thread | None = None
-        self._read_token = threading.Lock()
-        self._readers_changed = threading.Condition()
-        self._callers_reading = 0
-        self._last_caller_exit = 0.0
+        self._token = ReaderToken()  # who takes frames off the inbox: a recv() caller or _read_loop
         self._recv_timeout_ms = -1
         self._recv_fd = -1
         self._wake_r = self._wake_w = -1  # a pipe that wakes the I/O thread on close()
@@ -207,8 +203,7 @@ class NngTransport(Transport):
             listener.close()
         if self._wake_w >= 0:
             os.write(self._wake_w, b"x")  # wake the I/O thread from poll()
-        with self._readers_changed:
-            self._readers_changed.notify_all()
+        self._token.stop()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(max(0.0, deadline - time.monotonic()))
         for fd in (self._wake_r, self._wake_w):
@@ -332,22 +327,20 @@ class NngTransport(Transport):
     def _read_loop(self, recv_fd: int) -> None:
         sock = self._inbox_sock
         assert sock is not None
+        token = self._token
         while self._state == "listening":
-            with self._readers_changed:
+            with token.changed:
                 # While a recv() caller reads, or just did (it is likely in a loop and back within
                 # a few ms), stay out of its way: waking up per frame would cost it the GIL. We
                 # look again every grace period instead of being told: a caller waking this
                 # thread each time it leaves recv() cost a small round trip ~150 us.
-                while self._state != "stopped":
-                    quiet = time.monotonic() - self._last_caller_exit
-                    if not self._callers_reading and quiet >= _CALLER_GRACE_S:
-                        break
-                    self._readers_changed.wait(_CALLER_GRACE_S)
+                while self._state != "stopped" and (wait := token.wait_s()) > 0:
+                    token.changed.wait(min(wait, GRACE_S))
             # Releases the GIL; wakes when a frame waits, a link comes or goes, or stop() pokes us.
             events = self._poller(recv_fd).poll(500)
-            if self._callers_reading:
+            if token.callers:
                 continue
-            with self._read_token:
+            with token.held():
                 if not self._serve(events, recv_fd, 64):
                     return
 
@@ -392,7 +385,7 @@ class NngTransport(Transport):
             if rv != 0:
                 break
             self._handle_frame(msgp[0])
-            if self._callers_reading and budget > 1:
+            if self._token.callers and budget > 1:
                 break
         return True
 
@@ -470,61 +463,48 @@ class NngTransport(Transport):
             self._node.on_link_lost(peer, "disconnected (its process died or closed the link)")
 
     def read_in_caller(self, timeout: float, ready: Callable[[], bool]) -> bool:
-        sock = self._inbox_sock
-        if sock is None or self._state != "listening":
+        if self._inbox_sock is None or self._state != "listening":
             return False
-        with self._readers_changed:
-            self._callers_reading += 1
-        try:
-            # The I/O thread may hold the token while it delivers a batch into our full queue:
-            # look at the queue between short waits, or we would wait on each other.
-            if not self._read_token.acquire(False):
-                deadline = time.monotonic() + timeout
-                while not self._read_token.acquire(timeout=_CALLER_GRACE_S):
-                    if ready() or time.monotonic() >= deadline:
-                        return True
-            try:
-                if ready():  # the I/O thread delivered what the caller waits for meanwhile
-                    return True
-                if self._listeners:
-                    # Several sources: wait on all of them at once, in this thread.
-                    ms = max(1, min(500, int(timeout * 1000)))
-                    events = self.busy_poll.poll(self._poller(self._recv_fd).poll, ms)
-                    if self._state != "listening":
-                        raise ClosedError("the queue was stopped during recv()")
-                    self._serve(events, self._recv_fd, 1)
-                    return True
-                # A frame already waiting (a busy link) is taken without a timeout: a timed
-                # receive arms NNG's timer thread, which cost a stream ~40 us per frame.
-                msgp = ffi.new("nng_msg **")
+        self._token.read(timeout, ready, self._read_one)
+        return True
 
-                def taken() -> tuple[int] | None:  # a receive that does not wait; None: nothing waits
-                    code = lib.nng_recvmsg(sock.socket, msgp, lib.NNG_FLAG_NONBLOCK)
-                    return None if code == lib.NNG_EAGAIN else (code,)
+    def _read_one(self, timeout: float) -> None:
+        """A caller's read (reader token held): deliver one NNG message, waiting up to ``timeout``."""
+        sock = self._inbox_sock
+        if sock is None:
+            raise ClosedError("the queue was stopped during recv()")
+        if self._listeners:
+            # Several sources: wait on all of them at once, in this thread.
+            ms = max(1, min(500, int(timeout * 1000)))
+            events = self.busy_poll.poll(self._poller(self._recv_fd).poll, ms)
+            if self._state != "listening":
+                raise ClosedError("the queue was stopped during recv()")
+            self._serve(events, self._recv_fd, 1)
+            return
+        # A frame already waiting (a busy link) is taken without a timeout: a timed
+        # receive arms NNG's timer thread, which cost a stream ~40 us per frame.
+        msgp = ffi.new("nng_msg **")
 
-                def received() -> tuple[int]:
-                    # A power of two at most the time left: the option (a syscall-free but slow
-                    # setter) keeps its value across calls; a wait cut short loops in recv().
-                    ms = 1 << max(0, int(timeout * 1000)).bit_length() - 1 if timeout >= 0.001 else 1
-                    if ms != self._recv_timeout_ms:
-                        check_err(lib.nng_socket_set_ms(sock.socket, b"recv-timeout", ms))
-                        self._recv_timeout_ms = ms
-                    return (lib.nng_recvmsg(sock.socket, msgp, 0),)
+        def taken() -> tuple[int] | None:  # a receive that does not wait; None: nothing waits
+            code = lib.nng_recvmsg(sock.socket, msgp, lib.NNG_FLAG_NONBLOCK)
+            return None if code == lib.NNG_EAGAIN else (code,)
 
-                (rv,) = self.busy_poll.wait(taken, received)
-                if rv == 0:
-                    self._handle_frame(msgp[0])
-                elif rv == lib.NNG_ECLOSED:
-                    raise ClosedError("the queue was stopped during recv()")
-                elif rv != lib.NNG_ETIMEDOUT:
-                    check_err(rv)
-                return True
-            finally:
-                self._read_token.release()
-        finally:
-            with self._readers_changed:
-                self._callers_reading -= 1
-                self._last_caller_exit = time.monotonic()
+        def received() -> tuple[int]:
+            # A power of two at most the time left: the option (a syscall-free but slow
+            # setter) keeps its value across calls; a wait cut short loops in recv().
+            ms = 1 << max(0, int(timeout * 1000)).bit_length() - 1 if timeout >= 0.001 else 1
+            if ms != self._recv_timeout_ms:
+                check_err(lib.nng_socket_set_ms(sock.socket, b"recv-timeout", ms))
+                self._recv_timeout_ms = ms
+            return (lib.nng_recvmsg(sock.socket, msgp, 0),)
+
+        (rv,) = self.busy_poll.wait(taken, received)
+        if rv == 0:
+            self._handle_frame(msgp[0])
+        elif rv == lib.NNG_ECLOSED:
+            raise ClosedError("the queue was stopped during recv()")
+        elif rv != lib.NNG_ETIMEDOUT:
+            check_err(rv)
 
     def _handle_frame(self, msg: Any) -> None:
         """Deliver the frames of one NNG message (one, or a batch from a busy pipe) in order."""

@@ -2,10 +2,19 @@
 
 TensorPipe runs incoming requests on a thread pool, so frames of one sender can arrive out of
 order. The ``mq::deliver`` op parks each frame by its sequence number and returns at once (it
-never blocks a TensorPipe thread); frames in order go to one delivery thread, which hands them
-to core (the handshake parser until the rank proved itself, ``on_frame`` after) and counts
-what was consumed: that count is the sender's credit, piggybacked on every RPC's answer, or
-sent in a credit frame to a blocked sender.
+never blocks a TensorPipe thread); frames in order wait in one ready queue. Whoever holds the
+reader token takes them off it, one at a time (so they stay in order), hands each to core (the
+handshake parser until the rank proved itself, ``on_frame`` after) and counts what was
+consumed: that count is the sender's credit, piggybacked on every RPC's answer, or sent in a
+credit frame to a blocked sender.
+
+Two kinds of thread read (:mod:`mq.reader_token`): a thread in ``recv()`` (or waiting for a
+reply) reads for itself (:meth:`Receiver.read_in_caller`), so the frame it waits for skips a
+hand-off between threads (a wake-up on each side of a send and its answer); the delivery thread
+reads while no caller does. A caller never waits on a full queue (core lets it read only while
+its queues have room); the delivery thread may, which is the backpressure. Nothing polls: a
+frame wakes the delivery thread while nobody reads, a caller wakes it only when it leaves
+frames behind.
 """
 
 from __future__ import annotations
@@ -18,8 +27,12 @@ import torch
 
 from mq.backends.torchrpc.streams import Inbound, Link
 from mq.backends.torchrpc.wire import WANT, frame_parts, latin1, settle_cuda
-from mq.errors import ProtocolError
+from mq.errors import ClosedError, ProtocolError
+from mq.reader_token import ReaderToken
 from mq.transport import Events
+
+# Frames the delivery thread delivers before it looks again whether a caller came.
+_BATCH = 64
 
 
 class Receiver:
@@ -44,8 +57,10 @@ class Receiver:
         self._inbound = {p: Inbound() for p in links}
         self._lock = threading.Lock()  # per-sender order and counts (self._inbound)
         # (sender, (text, buffers)) in delivery order, None to stop: a C queue, as this hand-off
-        # (TensorPipe thread -> delivery thread) is on every frame's path
+        # (TensorPipe thread -> reader) is on every frame's path
         self._ready: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self._token = ReaderToken()  # held by the one thread taking frames off _ready
+        self._idle = False  # the delivery thread waits for a frame: on_rpc must wake it
         self._stop = False
         self.rpc_ready = threading.Event()  # the agent can answer: delivery may start
         self._thread: threading.Thread | None = None
@@ -62,10 +77,12 @@ class Receiver:
         return self._inbound[peer].report()
 
     def stop(self) -> None:
-        """Deliver nothing more (the thread ends after the frame it may be delivering)."""
+        """Deliver nothing more (the thread ends after the frame it may be delivering; a caller
+        reading gets :class:`~mq.errors.ClosedError`)."""
         self._stop = True
         self._ready.put(None)
         self.rpc_ready.set()
+        self._token.stop()
 
     def join(self, timeout: float) -> None:
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -97,32 +114,95 @@ class Receiver:
                 self._ready.put((sender, inbound.held.pop(inbound.expect)))
                 inbound.expect += 1
                 inbound.queued += 1
-            return inbound.report()
+            credit = inbound.report()
+        # Wake the delivery thread only when it waits and no caller will take the frame (a caller
+        # that leaves frames behind wakes it). _idle is set before the thread looks at _ready,
+        # and a caller's count drops before it looks: no wake-up is lost.
+        if self._idle and not self._token.callers:
+            with self._token.changed:
+                self._token.changed.notify()
+        return credit
+
+    def read_in_caller(self, timeout: float, ready: Callable[[], bool]) -> bool:
+        """Deliver at most one frame in the calling thread, waiting up to ``timeout`` for it;
+        return at once when ``ready()`` (what the caller waits for arrived meanwhile). False
+        when this receiver cannot be read yet (the agent is not answering)."""
+        if self._stop or not self.rpc_ready.is_set():
+            return False
+        self._token.read(timeout, ready, self._read_one, self._left_behind)
+        return True
+
+    def _read_one(self, timeout: float) -> None:
+        """A caller's read (reader token held): deliver the next frame, waiting up to ``timeout``."""
+        try:
+            item = self._ready.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return
+        if item is None:
+            self._ready.put(None)  # for the delivery thread and other callers
+            raise ClosedError("the queue was stopped during recv()")
+        self._consume(*item)
+
+    def _left_behind(self) -> bool:
+        return self._idle and not self._ready.empty()
 
     def _delivery_loop(self) -> None:
         self.rpc_ready.wait()  # HELLO from a fast peer waits until our agent can answer
-        while True:
-            item = self._ready.get()
-            if item is None or self._stop:
-                return
-            sender, (text, buffers) = item
-            self._deliver(("rank", sender), text, buffers)
-            inbound = self._inbound[sender]
-            with self._lock:
-                inbound.consumed += 1
-                inbound.queued -= 1
-                inbound.unreported_bytes += len(text) + sum(t.nbytes for t in buffers)
-                # A blocked sender gets credit in batches (half a window of frames or bytes, or
-                # all we had once we caught up), not one control frame per consumed frame.
-                credit = inbound.waiting and (
-                    inbound.queued == 0
-                    or inbound.consumed - inbound.reported >= max(1, self.send_window // 2)
-                    or inbound.unreported_bytes >= self.send_window_bytes // 2)
-                if credit:
-                    inbound.waiting = False
-                    inbound.report()
+        while self._wait_for_turn():
+            with self._token.held():
+                for _ in range(_BATCH):
+                    try:
+                        item = self._ready.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None:
+                        return
+                    self._consume(*item)
+                    if self._token.callers:
+                        break
+
+    def _wait_for_turn(self) -> bool:
+        """Wait until frames are ready and no recv() caller reads (or just did); False: stop.
+        Nothing polls: a frame wakes this thread while nobody reads (``on_rpc``), a caller
+        wakes it only when it leaves frames behind."""
+        token = self._token
+        with token.changed:
+            while not self._stop:
+                wait = token.wait_s()
+                if 0 < wait < float("inf"):
+                    token.changed.wait(wait)  # a caller just left: it is likely back soon
+                    continue
+                if wait or self._ready.empty():
+                    self._idle = True  # (before looking at _ready: see on_rpc)
+                    try:
+                        if token.callers or self._ready.empty():
+                            token.changed.wait()
+                    finally:
+                        self._idle = False
+                    continue
+                return True
+            return False
+
+    def _consume(self, sender: int, frame: tuple[Any, list[Any]]) -> None:
+        """Deliver one in-order frame (reader token held) and count it; credit a blocked sender."""
+        text, buffers = frame
+        self._deliver(("rank", sender), text, buffers)
+        inbound = self._inbound[sender]
+        with self._lock:
+            inbound.consumed += 1
+            inbound.queued -= 1
+            inbound.unreported_bytes += len(text) + sum(t.nbytes for t in buffers)
+            # A blocked sender gets credit in batches (half a window of frames or bytes, or
+            # all we had once we caught up), not one control frame per consumed frame.
+            credit = inbound.waiting and (
+                inbound.queued == 0
+                or inbound.consumed - inbound.reported >= max(1, self.send_window // 2)
+                or inbound.unreported_bytes >= self.send_window_bytes // 2)
             if credit:
-                self._send_credit(sender)
+                inbound.waiting = False
+                inbound.report()
+        if credit:
+            self._send_credit(sender)
 
     def _deliver(self, link: tuple[str, int], text: Any, buffers: list[Any]) -> None:
         """One frame of a rank to core: whole to the handshake parser until the rank proved

@@ -49,7 +49,7 @@ class Inbound:
     def __init__(self) -> None:
         self.expect = 0
         self.held: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self.queued = 0  # in-order frames waiting for the delivery thread
+        self.queued = 0  # in-order frames in the ready queue, not yet delivered
         self.consumed = 0
         self.reported = 0  # the consumption count the sender last heard of
         self.unreported_bytes = 0  # consumed since then

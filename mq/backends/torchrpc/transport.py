@@ -12,9 +12,9 @@ Ordering and backpressure
 -------------------------
 TensorPipe runs incoming requests on a thread pool, so frames of one sender can be handled out
 of order. The receiver keeps, per sender, the next expected ``seq`` and the frames that came
-early, and passes frames in send order to one delivery thread (which runs
-:meth:`mq.delivery.Delivery.deliver`, off TensorPipe's threads). The op never blocks: it parks the frame
-and returns. Flow control is by credit: a sender may have at most ``send_window`` frames, and
+early, and passes frames in send order to a ready queue, off TensorPipe's threads: a thread in
+``recv()`` delivers from it itself, the delivery thread while nobody does (see
+:mod:`~mq.backends.torchrpc.receiver`). The op never blocks: it parks the frame and returns. Flow control is by credit: a sender may have at most ``send_window`` frames, and
 ``send_window_bytes`` bytes (one frame always fits), that the receiver has not yet consumed
 (handed to its queue or handler). Credit comes back in every RPC's return value and in every
 frame the other way; a blocked sender sends a -2 frame, and the receiver answers with a -1
@@ -542,6 +542,10 @@ class TorchRpcTransport(Transport):
         self._control(link, WANT, done)
 
     # ------------------------------------------------------------------ receiving
+    def read_in_caller(self, timeout: float, ready: Any) -> bool:
+        """A thread in ``recv()`` delivers the next frame itself: see :class:`Receiver`."""
+        return self._rx.read_in_caller(timeout, ready)
+
     def on_rpc(self, sender: Any, seq: Any, ack: Any, text: str, buffers: list[torch.Tensor]) -> int:
         """A frame arrived (TensorPipe thread, through ``mq::deliver``): see :class:`Receiver`."""
         return self._rx.on_rpc(sender, seq, ack, text, buffers)
