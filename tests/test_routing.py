@@ -400,7 +400,11 @@ def test_tensorpipe_no_cuda_ipc_across_containers_and_no_gdr_without_rdma():
 
 def test_tensorpipe_socket_ifname():
     me = node(interfaces=("eth0", "ib0", "lo"))
-    assert tensorpipe_options(me, {}, cuda=False, socket_ifname="ib0")["env"] == {"TP_SOCKET_IFNAME": "ib0"}
+    # init_rpc's gloo group must take the interface too, or across hosts it times out where
+    # the host name resolves to loopback (a container); a one-host job (lo) leaves gloo alone.
+    assert tensorpipe_options(me, {}, cuda=False, socket_ifname="ib0")["env"] == {
+        "TP_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "ib0"}
+    assert tensorpipe_options(me, {}, cuda=False, socket_ifname="lo")["env"] == {"TP_SOCKET_IFNAME": "lo"}
     with pytest.raises(ConfigError, match="'ib9' is not a network interface.*eth0, ib0, lo"):
         tensorpipe_options(me, {}, cuda=False, socket_ifname="ib9")
 

@@ -40,7 +40,9 @@ class TorchRpcOptions:
             own join steps in ``init_rpc``. Default: ``max(60, timeout)``. Finding the other
             nodes at all is bounded by ``timeout``.
         num_worker_threads: TensorPipe's thread pool size.
-        socket_ifname: network interface for TensorPipe's TCP transport (``TP_SOCKET_IFNAME``).
+        socket_ifname: network interface for TensorPipe's TCP transport (``TP_SOCKET_IFNAME``)
+            and, unless it is ``lo`` or ``GLOO_SOCKET_IFNAME`` is set, for the gloo group
+            ``init_rpc`` joins (``GLOO_SOCKET_IFNAME``).
             Default: ``lo`` when the store is on loopback (a one-host job: nothing off this
             host can reach the agent), else TensorPipe's choice.
         busy_poll: let TensorPipe carry frames to same-host peers over its ``shm`` transport,

@@ -44,7 +44,8 @@ def tensorpipe_options(
         local: this node's descriptor.
         remote_by_peer: each peer's descriptor, by node id.
         cuda: the backend moves CUDA tensors (``torchrpc:cuda``); False drops CUDA channels.
-        socket_ifname: network interface TensorPipe's TCP transport should bind to.
+        socket_ifname: network interface TensorPipe's TCP transport should bind to (and, but
+            for ``lo``, the gloo group that ``init_rpc`` joins).
         busy_poll: allow TensorPipe's ``shm`` transport, whose reactor thread spins: one CPU
             core per process for as long as the agent runs, idle or not. Without it same-host
             frames take loopback TCP (``uv``), slower per message but asleep when idle.
@@ -64,6 +65,11 @@ def tensorpipe_options(
     env: dict[str, str] = {}
     if socket_ifname:
         env["TP_SOCKET_IFNAME"] = check_socket_ifname(local, socket_ifname)
+        if socket_ifname != "lo":
+            # init_rpc also joins a gloo group, which binds the address this host's name
+            # resolves to (often 127.0.0.1 in a container): across hosts it must take the
+            # same interface, or init_rpc times out ("Gloo connectFullMesh failed").
+            env["GLOO_SOCKET_IFNAME"] = socket_ifname
     return {
         "_transports": [t for t in TP_TRANSPORTS if t in transports],
         "_channels": [c for c in TP_CHANNELS if c in channels],

@@ -196,7 +196,9 @@ class TorchRpcTransport(Transport):
                                            socket_ifname=self.socket_ifname, busy_poll=self.busy_poll)
         self.tp_options = tp
         self._inline_max = {p: tensorpipe.inline_max(self.locality, remote.get(p)) for p in self._links}
-        os.environ.update(tp["env"])  # TP_SOCKET_IFNAME: read when the agent starts
+        for key, value in tp["env"].items():  # read when the agent starts
+            if key == "TP_SOCKET_IFNAME" or key not in os.environ:  # a user's GLOO_SOCKET_IFNAME stays
+                os.environ[key] = value
         kwargs: dict[str, Any] = {}
         needed = tensorpipe.must_restrict(tp["dropped"], self.locality, remote, cuda=cuda,
                                           busy_poll=self.busy_poll)
