@@ -84,6 +84,11 @@ class ReaderToken:
             return float("inf")
         return max(0.0, GRACE_S - (time.monotonic() - self._last_exit))
 
+    def wake(self) -> None:
+        """Wake the I/O thread if it waits on ``changed`` (a frame came while nobody reads)."""
+        with self.changed:
+            self.changed.notify()
+
     def stop(self) -> None:
         """Wake the I/O thread from its wait (it then looks at its transport's state)."""
         with self.changed:

@@ -119,8 +119,7 @@ class Receiver:
         # that leaves frames behind wakes it). _idle is set before the thread looks at _ready,
         # and a caller's count drops before it looks: no wake-up is lost.
         if self._idle and not self._token.callers:
-            with self._token.changed:
-                self._token.changed.notify()
+            self._token.wake()
         return credit
 
     def read_in_caller(self, timeout: float, ready: Callable[[], bool]) -> bool:
