@@ -8,6 +8,7 @@ Thin: parses options into :class:`mq.tools.bench.BenchConfig`, shows progress, p
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -92,6 +93,10 @@ def _fail(message: str) -> click.ClickException:
                    "hosts (comma list, e.g. 2,4), with relaying (tree and star) and without, against "
                    "one subscriber on another host and N vs 1 on the same host, --min-samples per row "
                    "and round, two rounds (root needed; see mq.tools.bench_fanout).")
+@click.option("--link-rate", default=None, metavar="RATE",
+              help="--hosts: cap every namespace host's uplink (the publisher's too) at RATE, e.g. "
+                   "2gbit or 500mbit (tc tbf), so the network, not this machine's cores, sets the "
+                   "pace, as between real hosts.")
 @click.option("--suite", is_flag=True,
               help="the full table: every mq type and route this machine has, same host and "
                    "--two-hosts, round trip at every size plus oneway (to 40MB), fanout and call "
@@ -114,7 +119,7 @@ def _fail(message: str) -> click.ClickException:
 def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, ...],
           subscribers: int, messages: int, device: str, sizes: str | None,
           max_seconds: float | None, target_seconds: float, min_samples: int, max_samples: int,
-          warmup: int, two_hosts: bool, fan_hosts: str | None, suite: bool, no_baseline: bool, no_links: bool, split_cpus: bool, busy_poll: bool | None, fmt: str,
+          warmup: int, two_hosts: bool, fan_hosts: str | None, link_rate: str | None, suite: bool, no_baseline: bool, no_links: bool, split_cpus: bool, busy_poll: bool | None, fmt: str,
           out_dir: str | None, plot_path: str | None, quiet: bool) -> None:
     """Latency (round trip, one-way, fan-out) and stream throughput between processes per mq
     type, route and size, against raw pynng, raw pyzmq and raw torch RPC and the memcpy bound
@@ -134,8 +139,11 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
         raise _fail("--max-samples must be >= --min-samples")
 
     if fan_hosts is not None:
-        _fanout_across_hosts(fan_hosts, modes, size_list if sizes else [], subscribers, min_samples, quiet)
+        _fanout_across_hosts(fan_hosts, modes, size_list if sizes else [], subscribers, min_samples, quiet,
+                             link_rate)
         return
+    if link_rate is not None:
+        raise _fail("--link-rate goes with --hosts (fan-out across namespace hosts)")
     hosts = ["same", "two"] if suite else (["two"] if two_hosts else ["same"])
     if two_hosts and not suite:
         from mq.tools.netns import unavailable
@@ -321,7 +329,7 @@ def _print_gpu(console: Any, report: lib.Report) -> None:
 
 
 def _fanout_across_hosts(fan_hosts: str, modes: tuple[str, ...], sizes: list[int], subscribers: int,
-                         samples: int, quiet: bool) -> None:
+                         samples: int, quiet: bool, link_rate: str | None = None) -> None:
     from mq.tools import bench_fanout
     from mq.tools.netns import unavailable
 
@@ -333,10 +341,12 @@ def _fanout_across_hosts(fan_hosts: str, modes: tuple[str, ...], sizes: list[int
         raise _fail(f"--hosts: host counts between 1 and 16, got {fan_hosts!r}")
     if tuple(modes) != ("fanout",):
         raise _fail("--hosts goes with --mode fanout (and no other mode)")
+    if link_rate is not None and not re.fullmatch(r"[0-9]+(\.[0-9]+)?[kmg]?bit", link_rate):
+        raise _fail(f"--link-rate: a tc rate such as 2gbit, 500mbit or 100kbit, got {link_rate!r}")
     reason = unavailable()
     if reason:
         raise click.ClickException(f"--hosts: {reason}")
     for size in sizes or [100 * MB]:
-        rows, info = bench_fanout.run(size, counts, subscribers=subscribers, samples=samples,
+        rows, info = bench_fanout.run(size, counts, subscribers=subscribers, samples=samples, link_rate=link_rate,
                                       progress=(lambda s: None) if quiet else (lambda s: click.echo(s, err=True)))
         click.echo(bench_fanout.table(rows, info))

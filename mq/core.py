@@ -105,7 +105,7 @@ class MQ:
                  cuda_inline_max: int = _cuda_ipc.DEFAULT_INLINE_MAX,
                  secret: str | bytes | None = None, insecure: bool = False,
                  heartbeat: float = 1.0, peer_timeout: float = 4.0, mq_type: str | None = None,
-                 relay_min_bytes: int | None = _fanout.DEFAULT_RELAY_MIN_BYTES, relay_shape: str = "tree"):
+                 relay_min_bytes: int | None = _fanout.DEFAULT_RELAY_MIN_BYTES, relay_shape: str = "auto"):
         _check_options(node_id, labels, queue_size, timeout, max_frame_bytes, queue_bytes, handler_threads,
                        heartbeat, peer_timeout)
         self.node_id = node_id
@@ -147,7 +147,7 @@ class MQ:
         self._fanout = fanout = _fanout.Fanout(
             node_id, peers, sender, self.codec, refusals, life, ping=liveness.ping, deliver=delivery.deliver,
             stalled=liveness.stalled, min_bytes=relay_min_bytes, shape=relay_shape,
-            keeps_tensors=transport.keeps_tensors, timeout=self.timeout)
+            keeps_tensors=transport.keeps_tensors, timeout=self.timeout, streams_to=transport.streams_to)
         self._dispatch = Dispatch(node_id, self.codec, peers, join, delivery, calls, liveness, sender, fanout,
                                   life, stats, refusals, max_frame_bytes=max_frame_bytes, secret=self.secret)
         for hook in (sender.forget, calls.peer_lost, sender.disconnect):  # in this order
@@ -466,7 +466,7 @@ class MQ:
             raise ConfigError(f"metric name must be a non-empty str, got {name!r}")
         self._metrics.gauges[name] = value
 
-    def set_relay(self, min_bytes: int | None, shape: str = "tree") -> None:
+    def set_relay(self, min_bytes: int | None, shape: str = "auto") -> None:
         """Change fan-out across hosts (``relay_min_bytes``/``relay_shape`` of the
         constructor; see :mod:`mq.fanout`): None turns relaying off."""
         self._fanout.configure(min_bytes, shape)

@@ -11,6 +11,7 @@ that peer's pool) and switches on its kind::
         RELEASE -> Sender (our pools)         RELAY -> Fanout
         GPU_POOL -> Sender's GpuPath (CUDA pool offers and verdicts)
     a link not trusted yet -> Dispatch.on_handshake -> mq.handshake.parse -> Join, only
+    a large frame's header, its body still coming -> Dispatch.on_begun -> Fanout (RELAY only)
 
 It never runs user code on an I/O thread (``on_request`` runs a call handler on the
 transport's request thread, which it keeps apart from the threads that carry frames). Nothing
@@ -26,8 +27,9 @@ from typing import Any, Callable
 from mq import handshake as _handshake
 from mq.calls import Calls
 from mq.codec import (BYE, GPU_POOL, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELAY, RELEASE, REP_ERR,
-                      REP_OK, REQ, SUBS, Codec, Envelope, Frame, buffer_nbytes)
+                      REP_OK, REQ, SUBS, Codec, Envelope, Frame, buffer_nbytes, split)
 from mq.cuda_ipc import TAG as CUDA_TAG
+from mq.cut_through import body_offset
 from mq.delivery import Delivery
 from mq.errors import ProtocolError
 from mq.fanout import Fanout
@@ -124,6 +126,22 @@ class Dispatch:
                     self._route(env)
         except ProtocolError as exc:
             self._refusals.refused(exc)
+        except Exception as exc:  # a bug of ours: it must not stop the I/O thread either
+            self._refusals.failed(exc)
+
+    def on_begun(self, frame: Any, watch: Callable[[], Any], link: Any) -> None:
+        """A large frame's header is in (see :meth:`mq.transport.Events.on_begun`): a RELAY hop
+        from the live peer of ``link`` may be forwarded while it arrives (:mod:`mq.cut_through`).
+        Anything else waits to be judged whole by :meth:`on_frame`, so nothing is counted here."""
+        try:
+            header, buffers = split(frame)  # the body's views: bytes still to come
+            peer = self._links.get(link)
+            p = self._peer_of.get(peer) if peer is not None else None
+            if header[1] != RELAY or header[3] != peer or p is None or p.lost or header[8] is not None:
+                return
+            self._fanout.on_begun(peer, header, buffers, body_offset(frame), watch)
+        except ProtocolError:
+            pass  # on_frame refuses it (counted) once it is whole
         except Exception as exc:  # a bug of ours: it must not stop the I/O thread either
             self._refusals.failed(exc)
 

@@ -8,13 +8,25 @@ the frame once, over its own link, as a RELAY frame carrying a *plan*, the subsc
 forward to. The relay delivers the message to itself, then forwards it to its plan through its
 own pool (one copy into shm on that host, descriptors to its neighbours).
 
-Plans nest, so hosts can form a tree instead of a star (``relay_shape``):
+Plans nest, so hosts can form a tree or a chain instead of a star (``relay_shape``):
 
 - ``star``: the publisher sends to every relay itself (its link carries one copy per host);
-- ``tree`` (default): a binomial tree over the relays: the publisher sends to the first relay,
+- ``auto`` (default): ``chain`` where this node's links to the relays send in pieces (mq's tcp
+  links, so the relays' too: cut-through), else ``tree``;
+- ``tree``: a binomial tree over the relays: the publisher sends to the first relay,
   which forwards to half of the remaining hosts while the publisher serves the other half, so
   with H remote hosts the publisher's link carries about log2(H + 1) copies, and the copies
-  travel over different links at the same time.
+  travel over different links at the same time;
+- ``chain``: the publisher sends to the first relay, each relay to the next host's (up to
+  12 hosts a chain; more hosts, more chains): every link carries one copy, and as relays send
+  on while the frame arrives (cut-through, below) the last host has it about one transfer
+  after the first. Best where the network, not the hosts' cores, sets the pace.
+
+Cut-through. A relay does not wait for the whole frame before sending it to other hosts: once
+the frame's header is in (:meth:`Fanout.on_begun`, from the tcp link), the hops to the plan's
+peers that its tcp links reach leave from a thread of their own, each piece once it arrived
+(:mod:`mq.cut_through`). The relay's own delivery and its same-host neighbours wait for the
+whole frame, as before; its ack waits for both.
 
 Wire format: kind RELAY (:mod:`mq.codec`), envelope as for MSG (same topic, the sender is the
 node that sent this hop). Its msgpack tree is ``[meta, payload]``: the publisher builds it by
@@ -46,7 +58,9 @@ waits until every subscriber it reaches through someone else confirmed what was 
 directly so far (a receipt ping, as ``flush`` does, only for peers with unconfirmed frames), so
 the relayed message cannot overtake earlier direct ones either. A relay delivers to itself on
 its I/O thread, in order with the other frames of the publisher's link, and forwards from one
-worker thread, in arrival order.
+worker thread, in arrival order; hops sent while their frame arrives go from one stream thread,
+in the order the frames began. Neither overtakes the other: a relay's worker acks a frame only
+once its streamed hops are done, and its upstream sends the next frame only after that ack.
 
 Failure. A relay that dies (link lost, or silent past ``peer_timeout``) fails the publisher's
 wait at once with :class:`~mq.errors.PeerLost` naming the relay and the subscribers behind it:
@@ -74,6 +88,7 @@ from typing import Any, Callable
 import msgpack
 
 from mq.codec import MSG, RELAY, VERSION, Codec, Frame
+from mq.cut_through import Arrival, ArrivingFrame
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
 from mq.lifecycle import Lifecycle
 from mq.peers import PeerTable
@@ -85,7 +100,8 @@ log = logging.getLogger("mq.fanout")
 __all__ = ["DEFAULT_RELAY_MIN_BYTES", "RELAY_SHAPES", "Fanout", "tree_plan"]
 
 DEFAULT_RELAY_MIN_BYTES = 1 << 20
-RELAY_SHAPES = ("tree", "star")
+RELAY_SHAPES = ("auto", "tree", "star", "chain")
+_CHAIN_MAX = 12  # hosts in one chain (a plan nests once per host; receivers allow _MAX_DEPTH)
 _JOBS = 8  # forward jobs a relay queues before it stops reading
 _MAX_PLAN = 4096  # entries in one plan, all levels together
 _MAX_DEPTH = 16
@@ -102,12 +118,22 @@ def tree_plan(groups: list[list[int]], shape: str = "tree") -> Plan:
     [[1, [2]], [3, [4]], [5, [6]]]
     >>> tree_plan([[1, 2], [3, 4], [5, 6]], "tree")
     [[1, [2, [3, [4]]]], [5, [6]]]
+    >>> tree_plan([[1, 2], [3, 4], [5, 6]], "chain")
+    [[1, [2, [3, [4, [5, [6]]]]]]]
     """
     def node(group: list[int], below: Plan) -> list[Any]:
         return [group[0], list(group[1:]) + below]
 
     if shape == "star":
         return [node(g, []) for g in groups]
+    if shape == "chain":  # each host sends on to the next, as the frame arrives (cut-through)
+        chains = []
+        for start in range(0, len(groups), _CHAIN_MAX):
+            below: Plan = []
+            for g in reversed(groups[start:start + _CHAIN_MAX]):
+                below = [node(g, below)]
+            chains += below
+        return chains
 
     def build(gs: list[list[int]]) -> Plan:
         # Send first to the relay that serves the larger half, then serve the rest ourselves.
@@ -171,7 +197,7 @@ class Fanout:
             message in this node's queues (:meth:`mq.delivery.Delivery.deliver`).
         stalled: called while a full job queue blocks the I/O thread (liveness judges nobody).
         min_bytes: frames with fewer inline bytes are never relayed; None turns relaying off.
-        shape: ``tree`` or ``star`` (see the module docstring).
+        shape: ``auto``, ``tree``, ``star`` or ``chain`` (see the module docstring).
         keeps_tensors: the transport moves tensors itself (torch RPC): never relay.
         timeout: the longest a relay works on one message.
     """
@@ -179,8 +205,9 @@ class Fanout:
     def __init__(self, node_id: int, peers: PeerTable, sender: Sender, codec: Codec, refusals: Refusals,
                  life: Lifecycle, *, ping: Callable[..., None],
                  deliver: Callable[[str, Any, int, float, int, int], None], stalled: Callable[[], None],
-                 min_bytes: int | None = DEFAULT_RELAY_MIN_BYTES, shape: str = "tree",
-                 keeps_tensors: bool = False, timeout: float = 30.0):
+                 min_bytes: int | None = DEFAULT_RELAY_MIN_BYTES, shape: str = "auto",
+                 keeps_tensors: bool = False, timeout: float = 30.0,
+                 streams_to: Callable[[int], bool] = lambda _peer: False):
         self.configure(min_bytes, shape)
         self.node_id = node_id
         self._peers = peers
@@ -193,12 +220,18 @@ class Fanout:
         self._stalled = stalled
         self._keeps_tensors = keeps_tensors
         self._timeout = timeout
-        self.stats = {"relayed": 0, "forwarded": 0, "acks": 0, "fallback_direct": 0}
+        self._streams_to = streams_to
+        self.stats = {"relayed": 0, "forwarded": 0, "streamed": 0, "acks": 0, "fallback_direct": 0}
         self._ids = itertools.count(1)
         self._acks: dict[tuple[int, int], dict[int, tuple[str, str]] | None] = {}
         self._unreachable: set[tuple[int, int]] = set()  # (relay, node) it said it cannot reach
         self._jobs: queue.Queue = queue.Queue(_JOBS)
         self._worker: threading.Thread | None = None
+        # Hops sent while their frame arrives (mq.cut_through): (upstream, its hop id) -> _Stream,
+        # from the frame's header until the whole frame is here; the jobs of the thread sending them.
+        self._streaming: dict[tuple[int, int], _Stream] = {}
+        self._stream_jobs: queue.Queue = queue.Queue(_JOBS)
+        self._streamer: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def configure(self, min_bytes: int | None, shape: str) -> None:
@@ -239,7 +272,10 @@ class Fanout:
             groups = [g for g in groups if len(g) > 1]
         if not groups or (len(groups) == 1 and len(groups[0]) == 1):
             return None
-        return sorted(direct), tree_plan(groups, self.shape)
+        shape = self.shape
+        if shape == "auto":  # a chain pays only where every hop is sent on while it arrives
+            shape = "chain" if all(self._streams_to(g[0]) for g in groups) else "tree"
+        return sorted(direct), tree_plan(groups, shape)
 
     def publish(self, targets: list[int], frame: Frame, deadline: float) -> bool:
         """Publish ``frame`` to ``targets`` through relays; False (nothing sent) when a plain
@@ -295,6 +331,15 @@ class Fanout:
                  plan: Plan, deadline: float, first_hop: Frame | None = None) -> _Failed:
         """Send one hop to every entry of ``plan`` and wait for their acks. Leaves (ints) share
         one frame, so same-host leaves share one shm copy. Returns who failed and why."""
+        hop, waiting, failed = self._send_hop(topic, tree, buffers, origin, sent_at, plan, deadline, first_hop)
+        self._wait_acks(hop, waiting, deadline, failed)
+        return failed
+
+    def _send_hop(self, topic: str, tree: bytes, buffers: list[Any], origin: int, sent_at: float,
+                  plan: Plan, deadline: float, first_hop: Frame | None = None,
+                  arriving: tuple[Arrival, int] | None = None) -> tuple[int, list[tuple[int, list[int]]], _Failed]:
+        """Send one hop to every entry of ``plan``: (its hop id, who must ack it and for whom,
+        who failed already). ``arriving``: the buffers are still arriving (see _hop_frame)."""
         failed = _Failed()
         hop = next(self._ids)
         sends: list[tuple[list[int], Plan]] = []
@@ -317,7 +362,7 @@ class Fanout:
         left = max(0.0, deadline - time.monotonic())
         for peers, below in sends:
             meta = {"o": origin, "id": hop, "to": below, "t": left, "at": sent_at}
-            frame = self._hop_frame(topic, meta, tree, buffers, sent_at, first_hop)
+            frame = self._hop_frame(topic, meta, tree, buffers, sent_at, first_hop, arriving)
             with self._peers.changed:
                 for peer in peers:
                     self._acks[(peer, hop)] = None
@@ -334,16 +379,20 @@ class Fanout:
                 continue
             self.stats["forwarded"] += len(peers)
             waiting += [(peer, [peer] + plan_ids(below)) for peer in peers]
-        self._wait_acks(hop, waiting, deadline, failed)
-        return failed
+        return hop, waiting, failed
 
     def _hop_frame(self, topic: str, meta: dict[str, Any], tree: bytes, buffers: list[Any],
-                   sent_at: float, like: Frame | None) -> Frame:
+                   sent_at: float, like: Frame | None, arriving: tuple[Arrival, int] | None = None) -> Frame:
+        """The frame of one hop. ``like``: the publisher's MSG frame (same buffers, same sizes);
+        ``arriving``: (the incoming frame's arrival, where its body starts), ``buffers`` being
+        views of that body."""
         spliced = _splice(meta, tree)
-        if like is not None:  # the publisher's MSG frame: same buffers, same sizes
+        if like is not None:
             head = [VERSION, RELAY, topic, self.node_id, like.head[4], 0, spliced, like.sizes, None, sent_at]
             return Frame(RELAY, head, like.buffers, like.sizes)
         built = Frame.build(RELAY, topic, self.node_id, self._sender.next_seq(), 0, spliced, buffers)
+        if arriving is not None:
+            return ArrivingFrame(RELAY, built.head[:9] + [sent_at], built.buffers, built.sizes, *arriving)
         return Frame(RELAY, built.head[:9] + [sent_at], built.buffers, built.sizes)
 
     def _wait_acks(self, hop: int, waiting: list[tuple[int, list[int]]], deadline: float,
@@ -382,35 +431,90 @@ class Fanout:
     def on_frame(self, env: Any) -> None:
         """A RELAY frame from an authenticated peer (core's I/O thread): an ack for one of our
         hops, or a message to deliver here and maybe forward."""
-        reject = self._refusals.reject
         body = env.payload
         meta = body[0] if isinstance(body, list) and len(body) == 2 and isinstance(body[0], dict) else None
         if meta is None:
-            reject("relay_plan", f"a malformed RELAY frame from node {env.sender}")
+            self._refusals.reject("relay_plan", f"a malformed RELAY frame from node {env.sender}")
             return
         if "ack" in meta:
             self._on_ack(env.sender, meta)
             return
-        origin, hop, plan = meta.get("o"), meta.get("id"), meta.get("to", [])
-        if type(origin) is not int or type(hop) is not int or not _valid_plan(plan):
-            reject("relay_plan", f"a RELAY frame with a bad plan from node {env.sender}")
+        refusal = self._refusal(env.sender, meta)
+        stream = None
+        if refusal is None or refusal[0] == "relay_origin":
+            with self._lock:  # sent on already, from its header (on_begun)?
+                stream = self._streaming.pop((env.sender, meta["id"]), None)
+        deadline = self._deadline(meta)
+        if refusal is not None:
+            self._refusals.reject(*refusal)
+            if stream is not None:  # the origin left while the frame came: end what went on
+                self._queue((env.sender, meta["id"], env.topic, None, 0, 0.0, [], deadline, stream))
+            elif refusal[0] == "relay_origin":
+                self._send_ack(env.sender, meta["id"], _Failed())  # do not leave it waiting
             return
-        if origin != env.sender:
-            p = self._peers.get(origin)
-            if origin == self.node_id or p is None or p.lost:
-                reject("relay_origin", f"node {env.sender} relayed a message claiming node "
-                             f"{origin}, which is not a live peer here")
-                self._send_ack(env.sender, hop, _Failed())  # do not leave it waiting
-                return
+        origin, hop, plan = meta["o"], meta["id"], meta.get("to", [])
+        if stream is not None:
+            sent = {_entry_peer(e) for e in stream.plan}
+            plan = [e for e in plan if _entry_peer(e) not in sent]
         sent_at = meta.get("at") if isinstance(meta.get("at"), float) else env.sent_at
         # Delivered as a MSG, with the origin as sender (not counted as a frame of its link).
         self._deliver(env.topic, body[1], origin, sent_at, env.nbytes, env.nbytes)
-        if not plan:
+        if not plan and stream is None:
             self._send_ack(env.sender, hop, _Failed())
             return
+        self._queue((env.sender, hop, env.topic, body[1], origin, sent_at, plan, deadline, stream))
+
+    def on_begun(self, sender: int, header: list[Any], buffers: list[Any], body_at: int,
+                 watch: Callable[[], Arrival]) -> None:
+        """A RELAY hop from ``sender`` whose body still arrives (core's I/O thread, see
+        :mod:`mq.cut_through`): send it on now to the peers of its plan our links can stream to
+        (other hosts). Anything wrong with it is left for :meth:`on_frame` to refuse, once whole."""
+        topic, tree = header[2], header[6]
+        if not buffers or self._keeps_tensors or type(tree) is not bytes or type(topic) is not str:
+            return
+        parsed = _split_tree(tree)
+        if parsed is None or "ack" in parsed[0] or self._refusal(sender, parsed[0]) is not None:
+            return
+        meta, payload_tree = parsed
+        plan = [e for e in meta.get("to", []) if self._streamable(_entry_peer(e))]
+        if not plan:
+            return
+        key = (sender, meta["id"])
+        stream = _Stream(plan)
+        sent_at = meta.get("at") if isinstance(meta.get("at"), float) else header[9]
+        job = (key, stream, watch(), body_at, topic, payload_tree, buffers, meta["o"], sent_at,
+               self._deadline(meta))
+        with self._lock:
+            if key in self._streaming:
+                return  # a hop id seen again: left to on_frame
+            try:
+                self._stream_jobs.put_nowait(job)
+            except queue.Full:
+                return  # forwarded once whole, as before
+            self._streaming[key] = stream
+        self._start("_streamer", self._stream_work, "stream")
+
+    def _refusal(self, sender: int, meta: dict[str, Any]) -> tuple[str, str] | None:
+        """(cause, why) a hop from ``sender`` described by ``meta`` is refused, or None."""
+        origin, hop, plan = meta.get("o"), meta.get("id"), meta.get("to", [])
+        if type(origin) is not int or type(hop) is not int or not _valid_plan(plan):
+            return "relay_plan", f"a RELAY frame with a bad plan from node {sender}"
+        if origin != sender:
+            p = self._peers.get(origin)
+            if origin == self.node_id or p is None or p.lost:
+                return "relay_origin", (f"node {sender} relayed a message claiming node {origin}, "
+                                        "which is not a live peer here")
+        return None
+
+    def _deadline(self, meta: dict[str, Any]) -> float:
         left = meta.get("t") if isinstance(meta.get("t"), (int, float)) else self._timeout
-        job = (env.sender, hop, env.topic, body[1], origin, sent_at, plan,
-               time.monotonic() + min(max(0.0, float(left)), self._timeout))
+        return time.monotonic() + min(max(0.0, float(left)), self._timeout)
+
+    def _streamable(self, peer: int) -> bool:
+        p = self._peers.get(peer)
+        return peer != self.node_id and p is not None and not p.lost and self._streams_to(peer)
+
+    def _queue(self, job: tuple[Any, ...]) -> None:
         while True:  # a full job queue stops this I/O thread: backpressure on the sender
             try:
                 self._jobs.put(job, timeout=0.2)
@@ -419,7 +523,7 @@ class Fanout:
                 self._stalled()
                 if not self._life.listening:
                     return
-        self._start_worker()
+        self._start("_worker", self._work, "relay")
 
     def _on_ack(self, sender: int, meta: dict[str, Any]) -> None:
         raw = meta.get("failed")
@@ -448,29 +552,102 @@ class Fanout:
         except MQError as exc:
             log.warning("node %d: could not confirm a relayed message to node %d: %s", self.node_id, peer, exc)
 
-    def _start_worker(self) -> None:
+    def _start(self, attr: str, target: Callable[[], None], name: str) -> None:
+        """Start the thread kept in ``attr`` unless it runs."""
         with self._lock:
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._work, daemon=True,
-                                                 name=f"mq{self.node_id}-relay")
-                self._worker.start()
+            thread = getattr(self, attr)
+            if thread is None or not thread.is_alive():
+                thread = threading.Thread(target=target, daemon=True, name=f"mq{self.node_id}-{name}")
+                setattr(self, attr, thread)
+                thread.start()
 
     def _work(self) -> None:
+        """Forward whole frames (in arrival order), wait for the acks of their hops, and of
+        the hops sent while they arrived, then ack upstream."""
         while self._life.running:
             try:
-                upstream, hop, topic, payload, origin, sent_at, plan, deadline = self._jobs.get(timeout=0.5)
+                upstream, hop, topic, payload, origin, sent_at, plan, deadline, stream = self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            failed = _Failed()
+            try:
+                if plan:
+                    tree, buffers = self._codec.pack(payload)
+                    del payload
+                    failed = self._forward(topic, tree, buffers, origin, sent_at, plan, deadline)
+                    tree = buffers = None  # type: ignore[assignment]
+                if stream is not None:
+                    self._join_stream(stream, deadline, failed)
+            except Exception as exc:  # never leave the upstream waiting for an ack
+                log.exception("node %d: relaying for node %d failed", self.node_id, origin)
+                failed.add(plan_ids(plan + (stream.plan if stream else [])), "error",
+                           f"relay node {self.node_id}: {type(exc).__name__}: {exc}")
+            payload = None
+            self._send_ack(upstream, hop, failed)
+
+    def _stream_work(self) -> None:
+        """Send hops while their frames arrive (mq.cut_through), in the order they began."""
+        while self._life.running:
+            try:
+                key, stream, arrival, body_at, topic, tree, buffers, origin, sent_at, deadline = \
+                    self._stream_jobs.get(timeout=0.5)
             except queue.Empty:
                 continue
             try:
-                tree, buffers = self._codec.pack(payload)
-                del payload
-                failed = self._forward(topic, tree, buffers, origin, sent_at, plan, deadline)
-            except Exception as exc:  # never leave the upstream waiting for an ack
+                stream.hop, stream.waiting, failed = self._send_hop(
+                    topic, tree, buffers, origin, sent_at, stream.plan, deadline, arriving=(arrival, body_at))
+                stream.failed.update(failed)
+                self.stats["streamed"] += len(stream.waiting)
+            except Exception as exc:
                 log.exception("node %d: relaying for node %d failed", self.node_id, origin)
-                failed = _Failed()
-                failed.add(plan_ids(plan), "error", f"relay node {self.node_id}: {type(exc).__name__}: {exc}")
-            tree = buffers = None  # type: ignore[assignment]
-            self._send_ack(upstream, hop, failed)
+                stream.failed.add(plan_ids(stream.plan), "error",
+                                  f"relay node {self.node_id}: {type(exc).__name__}: {exc}")
+            buffers = None  # type: ignore[assignment]
+            if arrival.cut_off:  # it never comes whole: nobody else will ask for this stream
+                with self._lock:
+                    self._streaming.pop(key, None)
+            stream.done.set()
+
+    def _join_stream(self, stream: "_Stream", deadline: float, failed: _Failed) -> None:
+        """Wait for the hops sent while the frame arrived, and for their acks."""
+        if not stream.done.wait(max(0.0, deadline - time.monotonic()) + _ACK_TIMEOUT_S):
+            failed.add(plan_ids(stream.plan), "timeout",
+                       f"relay node {self.node_id} did not finish forwarding in time")
+            return
+        for i, (cause, why) in stream.failed.items():
+            failed.add([i], cause, why)
+        self._wait_acks(stream.hop, stream.waiting, deadline, failed)
+
+
+class _Stream:
+    """The hops one relay sends while their frame arrives: the plan entries they serve, then
+    (once ``done``) their hop id, who must ack it, and who failed already."""
+
+    __slots__ = ("plan", "hop", "waiting", "failed", "done")
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.hop = 0
+        self.waiting: list[tuple[int, list[int]]] = []
+        self.failed = _Failed()
+        self.done = threading.Event()
+
+
+def _entry_peer(entry: Any) -> int:
+    return entry if isinstance(entry, int) else entry[0]
+
+
+def _split_tree(tree: bytes) -> tuple[dict[str, Any], bytes] | None:
+    """A hop's tree ``[meta, payload]`` -> (meta, the payload's encoded tree), or None."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(1, len(tree)))
+        unpacker.feed(tree)
+        if unpacker.read_array_header() != 2:
+            return None
+        meta = unpacker.unpack()
+        return (meta, tree[unpacker.tell():]) if isinstance(meta, dict) else None
+    except Exception:
+        return None
 
 
 def _error_for(topic: str, failed: dict[int, tuple[str, str]]) -> MQError:

@@ -92,6 +92,13 @@ class Events(Protocol):
         Runs user code: call it only from a thread that may block for the handler's duration
         and that no other frame needs."""
 
+    def on_begun(self, frame: Any, watch: Callable[[], Any], link: Any) -> None:
+        """A large frame began arriving on a trusted ``link``: ``frame`` is its whole buffer,
+        filled only past the header so far, and ``watch()`` its :class:`mq.cut_through.Arrival`,
+        to follow the rest (:mod:`mq.cut_through`). Nothing is decoded for good here: the frame
+        comes to ``on_frame`` once whole. Same threads as ``on_frame``; must not block. Only
+        transports whose links read frames in pieces call it."""
+
     def on_link_lost(self, peer: int, why: str) -> None:
         """The link to ``peer`` broke (its process died, or it closed)."""
 
@@ -135,6 +142,11 @@ class Transport:
         raise NotImplementedError
 
     def read_in_caller(self, timeout: float, ready: Callable[[], bool]) -> bool:
+        return False
+
+    def streams_to(self, peer: int) -> bool:
+        """Whether ``send`` to ``peer`` can take a :class:`mq.cut_through.ArrivingFrame` (a frame
+        whose body still arrives): its link sends in pieces and waits for each."""
         return False
 
     def request(self, peer: int, frame: Frame, timeout: float) -> tuple[Any, list[Any]] | None:

@@ -126,6 +126,8 @@ def test_format_size_round_trips_the_default_sizes():
     (["--mode", "fanout", "--hosts", "0"], "--hosts"),
     (["--mode", "fanout", "--hosts", "99"], "--hosts"),
     (["--mode", "roundtrip", "--hosts", "2"], "--mode fanout"),
+    (["--mode", "fanout", "--hosts", "2", "--link-rate", "fast"], "--link-rate"),
+    (["--link-rate", "2gbit"], "--link-rate goes with --hosts"),
 ])
 def test_bad_options_exit_2_with_one_line(args, word):
     result = _invoke(args)
@@ -533,3 +535,22 @@ def test_a_two_host_report_says_whose_cpus_the_hosts_shared(monkeypatch):
     assert "own 1 of this machine's 2 CPUs" in lib.two_hosts_cpus_note(True)
     monkeypatch.setattr(lib.os, "sched_getaffinity", lambda _pid: set(range(16)))
     assert lib.two_hosts_cpus_note(False) == "two hosts: both namespace hosts share this machine's 16 CPUs"
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+@needs_netns
+def test_fanout_with_a_link_rate_caps_every_hosts_uplink():
+    """``--link-rate``: a raw transfer to another host cannot beat the cap (2 MiB at 1 Gbit/s
+    takes 16.8 ms; the veth alone moves it in a few ms), and the table says the cap."""
+    from mq.tools import bench_fanout
+
+    rows, info = bench_fanout.run(2 << 20, [2], subscribers=2, samples=2, rounds=1, shapes=("tree",),
+                                  same_host=False, link_rate="1gbit")
+    by_name = {r.name: r for r in rows}
+    for r in rows:
+        assert r.error is None and len(r.samples_ms) == 2, (r.name, r.error)
+    assert min(by_name["raw tcp, 1 other host"].samples_ms) > 12, by_name["raw tcp, 1 other host"].samples_ms
+    assert min(by_name["1 subscriber, other host"].samples_ms) > 12
+    assert "every host's uplink capped at 1gbit" in bench_fanout.table(rows, info)
+    assert not [n for n in netns.list_namespaces() if n.startswith(f"{netns.NS_PREFIX}{os.getpid()}-")]

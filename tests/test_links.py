@@ -407,3 +407,113 @@ def read_whole(inbound, timeout: float = 10.0):
             return frame
         time.sleep(0.001)
     raise AssertionError("no frame arrived")
+
+
+# ---------------------------------------------------------------- cut-through (mq.cut_through)
+class _Reader(threading.Thread):
+    """Reads a link in the background, as the transport's I/O thread does: whole frames go to
+    ``frames``; a large frame's header (``Begun``) to ``begun``, followed when ``follow``."""
+
+    def __init__(self, inbound, follow: bool = False):
+        super().__init__(daemon=True)
+        self.inbound, self.follow = inbound, follow
+        self.frames: list = []
+        self.begun: list = []
+        self.arrivals: list = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            frame = self.inbound.read()
+            if frame is None:
+                time.sleep(0.0005)
+            elif type(frame) is tcplink.Begun:
+                if self.follow:
+                    self.arrivals.append(frame.watch())
+                self.begun.append(frame)
+            else:
+                self.frames.append(frame)
+
+
+@contextlib.contextmanager
+def _relay_chain():
+    """upstream -> relay -> downstream over two real tcp links: (the upstream's socket, written
+    by hand, the relay's reader, the relay's link on, the downstream's reader)."""
+    with joined("tcp") as (up, relay_in, _), joined("tcp") as (relay_out, down_in, _):
+        relay_in.announce = down_in.announce = True
+        up.sock.setblocking(True)
+        readers = [_Reader(relay_in, follow=True), _Reader(down_in)]
+        for r in readers:
+            r.start()
+        try:
+            yield up.sock, readers[0], relay_out, readers[1]
+        finally:
+            for r in readers:
+                r.stop.set()
+                r.join(5)
+
+
+def _hop_of(begun, arrival, topic: str):
+    """The frame a relay sends on for ``begun``: its own header, the incoming frame's body."""
+    from mq.codec import Frame
+    from mq.cut_through import ArrivingFrame, body_offset
+
+    header, buffers = split(begun.frame)
+    built = Frame.build(MSG, topic, 2, 0, 0, header[6], buffers)
+    return ArrivingFrame(MSG, built.head, built.buffers, built.sizes, arrival, body_offset(begun.frame))
+
+
+def test_a_relay_sends_a_frame_on_while_it_arrives_and_it_lands_whole():
+    data = np.random.default_rng(7).integers(0, 256, 3 << 20, dtype=np.uint8)
+    incoming = frame_of({"blob": data, "n": 1})
+    records = [b"".join(bytes(p) for p in r) for r in tcplink._records(incoming.parts(), incoming.size)]
+    with _relay_chain() as (up, relay, relay_out, down):
+        up.sendall(b"".join(records[:3]))  # the header and the first pieces; the rest held back
+        assert wait_until(lambda: relay.begun, 10)
+        hop = _hop_of(relay.begun[0], relay.arrivals[0], "on")
+        sent: list = []
+        sender = threading.Thread(target=lambda: sent.append(relay_out.send(2, hop, 20)))
+        sender.start()
+        # The next host has the frame's header and first pieces while the rest is still upstream.
+        assert wait_until(lambda: down.begun, 10), "nothing went on before the frame was whole"
+        assert relay.arrivals[0].filled < incoming.size and not relay.frames and sender.is_alive()
+        up.sendall(b"".join(records[3:]))
+        sender.join(20)
+        assert sent == [None]
+        assert wait_until(lambda: down.frames and relay.frames, 10)
+    assert bytes(relay.frames[0]) == incoming.to_bytes().tobytes()
+    env = Codec().decode(*split(down.frames[0]))
+    assert env.topic == "on" and env.sender == 2
+    assert env.payload["n"] == 1 and np.array_equal(env.payload["blob"], data)
+
+
+def test_a_frame_cut_off_upstream_is_cut_off_downstream_and_the_links_go_on():
+    incoming = frame_of(np.ones(3 << 20, dtype=np.uint8))
+    records = [b"".join(bytes(p) for p in r) for r in tcplink._records(incoming.parts(), incoming.size)]
+    with _relay_chain() as (up, relay, relay_out, down):
+        up.sendall(b"".join(records[:3]))
+        assert wait_until(lambda: relay.begun, 10)
+        hop = _hop_of(relay.begun[0], relay.arrivals[0], "on")
+        errors: list = []
+
+        def send_on() -> None:
+            try:
+                relay_out.send(2, hop, 20)
+            except mq.MQError as exc:
+                errors.append(exc)
+
+        sender = threading.Thread(target=send_on)
+        sender.start()
+        assert wait_until(lambda: down.begun, 10)
+        up.sendall(HEAD.pack(tcplink.ABORT, 0, 0))  # the upstream sender gave up on it
+        sender.join(10)
+        assert len(errors) == 1 and isinstance(errors[0], mq.ClosedError), errors
+        assert "cut off upstream" in str(errors[0])
+        # Both links keep their framing: the next frames arrive whole, the cut one never does.
+        up.sendall(b"".join(bytes(p) for r in tcplink._records(frame_of("next").parts(), frame_of("next").size)
+                            for p in r))
+        relay_out.send(2, frame_of("after"), 10)
+        assert wait_until(lambda: relay.frames and down.frames, 10)
+        time.sleep(0.2)
+    assert [decoded(f) for f in relay.frames] == ["next"]
+    assert [decoded(f) for f in down.frames] == ["after"]

@@ -5,7 +5,7 @@ One run measures, interleaved batch by batch so machine noise hits every row ali
 - ``1 remote``: publish to one subscriber on another host (the baseline of the remote rows);
 - per ``--hosts K``: publish to ``--subscribers N`` subscribers spread round-robin over K
   namespace hosts (:class:`mq.tools.netns.Hosts`: own network, PID and IPC namespaces per host,
-  one bridge), with relaying as configured (``relay tree``), the star shape (``relay star``)
+  one bridge), with relaying in each shape (``relay chain``, ``relay tree``, ``relay star``)
   and without relaying (``direct``: one transfer per subscriber, what publish did before);
 - ``same host 1`` and ``same host N``: subscribers on the publisher's host (shm, one copy);
 - ``raw tcp``: the same bytes over plain TCP sockets from this process to one receiver process
@@ -15,7 +15,7 @@ One run measures, interleaved batch by batch so machine noise hits every row ali
 
 The publisher is this process, on this host (a veth joins it to the bridge); every subscriber
 is its own process, connected to the publisher and to every other subscriber (relays forward
-to their neighbours and, in a tree, to other hosts' relays). One sample is ``publish`` until
+to their neighbours and, in a chain or tree, to other hosts' relays). One sample is ``publish`` until
 every subscriber's tiny ack arrived. Subscribers of a row stay up for the whole run.
 """
 
@@ -46,7 +46,7 @@ class FanoutRow:
     name: str
     hosts: int  # 0: the publisher's host
     subscribers: int
-    shape: str | None  # tree / star / None (relaying off)
+    shape: str | None  # chain / tree / star / None (relaying off)
     raw: bool = False  # plain TCP sockets, not mq
     samples_ms: list[float] = field(default_factory=list)
     error: str | None = None
@@ -172,9 +172,11 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 
 
 def run(size: int, host_counts: list[int], subscribers: int = 8, samples: int = 5, rounds: int = 2,
-        same_host: bool = True, shapes: tuple[str | None, ...] = ("tree", "star", None),
-        progress: Callable[[str], None] = lambda s: None) -> tuple[list[FanoutRow], dict[str, Any]]:
-    """Measure the rows of the module docstring; returns (rows, info). Needs root."""
+        same_host: bool = True, shapes: tuple[str | None, ...] = ("chain", "tree", "star", None),
+        progress: Callable[[str], None] = lambda s: None,
+        link_rate: str | None = None) -> tuple[list[FanoutRow], dict[str, Any]]:
+    """Measure the rows of the module docstring; returns (rows, info). Needs root.
+    ``link_rate``: every host's uplink capped at this tc rate (:class:`mq.tools.netns.Hosts`)."""
     from mq.tools.netns import Hosts
 
     kmax = max(host_counts)
@@ -195,9 +197,10 @@ def run(size: int, host_counts: list[int], subscribers: int = 8, samples: int = 
         plan["same1"], plan["same"] = (0, 1), (0, subscribers)
         rows.append((FanoutRow("1 subscriber, same host", 0, 1, None), "same1"))
         rows.append((FanoutRow(f"{subscribers} subscribers, same host", 0, subscribers, None), "same"))
-    info: dict[str, Any] = {"size": size, "cpus": os.cpu_count(), "loadavg": open("/proc/loadavg").read().split()[:3]}
+    info: dict[str, Any] = {"size": size, "cpus": os.cpu_count(), "loadavg": open("/proc/loadavg").read().split()[:3],
+                            "link_rate": link_rate}
     groups: dict[str, _Group] = {}
-    with Hosts(kmax, root=True) as hosts:
+    with Hosts(kmax, root=True, rate=link_rate) as hosts:
         try:
             for n, (key, (k, subs)) in enumerate(plan.items()):
                 progress(f"starting {key}: {subs} subscriber(s) on {k or 'the same'} host(s)")
@@ -228,7 +231,8 @@ def run(size: int, host_counts: list[int], subscribers: int = 8, samples: int = 
 
 def table(rows: list[FanoutRow], info: dict[str, Any]) -> str:
     base = {(r.hosts > 0, r.raw): r.p50_ms for r in rows if r.subscribers == 1}
-    lines = [f"fan-out of {info['size'] / 1e6:g} MB ({info['cpus']} CPUs, load {' '.join(info['loadavg'])}); "
+    rate = f", every host's uplink capped at {info['link_rate']}" if info.get("link_rate") else ""
+    lines = [f"fan-out of {info['size'] / 1e6:g} MB ({info['cpus']} CPUs, load {' '.join(info['loadavg'])}{rate}); "
              "ratio: p50 / p50 of the same size to one subscriber (remote rows: on another host; "
              "raw rows: raw tcp to 1 host)",
              f"{'row':58} {'n':>3} {'min ms':>9} {'p50 ms':>9} {'max ms':>9} {'ratio':>6}"]

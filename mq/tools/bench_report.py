@@ -239,7 +239,12 @@ def machine_info() -> dict[str, Any]:
         done = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=5)
         if done.returncode == 0:
-            info["git_commit"] = done.stdout.strip()
+            # Which tree ran (a worktree run through PYTHONPATH from another checkout imports
+            # that checkout's mq instead), and whether it had changes not committed.
+            dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            info["git_commit"] = done.stdout.strip() + ("+changes" if dirty else "")
+            info["mq_path"] = os.path.dirname(here)
     return info
 
 

@@ -266,6 +266,20 @@ class TwoHosts:
                 f"{self.peer_if}={self.peer_addr}/{self.prefixlen}>")
 
 
+def _tc_rate(netns: str | None, dev: str, rate: str) -> None:
+    """Cap what ``dev`` (in ``netns``, or here) sends at ``rate``: a token bucket with a 256 KB
+    burst (more than one GSO segment) and up to 50 ms of queue."""
+    if not shutil.which("tc"):
+        raise NetnsError("`tc` not found: install iproute2 for --link-rate")
+    argv = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb",
+            "latency", "50ms"]
+    if netns is not None:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    if done.returncode != 0:
+        raise NetnsError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+
+
 def _python_wrapper(prefix: str, command: list[str]) -> str:
     """A private executable script that runs ``command "$@"`` (for spawn.set_executable)."""
     fd, path = tempfile.mkstemp(prefix=f"{prefix}-", suffix=".sh")
@@ -320,9 +334,11 @@ class Hosts:
     namespaces, shared by every process started through :meth:`wrapper` ``(i)``. The bridge
     lives in a namespace of its own; with ``root=True`` this host joins it too, by a veth whose
     end here has address ``root_addr`` (the only thing added to this host's network).
+    ``rate`` (a tc rate, e.g. ``2gbit``): every host's uplink, this host's veth too, sends at
+    most that (a token bucket), as a NIC would: the network, not the cores, sets the pace.
     """
 
-    def __init__(self, n: int, *, root: bool = False, subnet: str | None = None):
+    def __init__(self, n: int, *, root: bool = False, subnet: str | None = None, rate: str | None = None):
         reason = unavailable() or (None if shutil.which("nsenter") else "`nsenter` not found: install util-linux")
         if reason:
             raise NetnsError(f"cannot make namespace hosts: {reason}")
@@ -330,6 +346,7 @@ class Hosts:
             raise NetnsError(f"hosts: 1 to 200, got {n}")
         self.n = n
         self._subnet = subnet
+        self.rate = rate
         pid = os.getpid()
         self.switch = f"{NS_PREFIX}{pid}-{next(_counter)}"
         self.names: list[str] = []
@@ -388,6 +405,11 @@ class Hosts:
                 _ip("-n", self.switch, "link", "set", sw_if, "up")
                 _ip("addr", "add", f"{self.root_addr}/{self.prefixlen}", "dev", here)
                 _ip("link", "set", here, "up")
+            if self.rate:
+                uplinks = [(name, host_if) for name, (_sw, host_if) in zip(self.names, self.links)]
+                uplinks += [(None, self.root_link[0])] if self.root_link else []
+                for name, dev in uplinks:
+                    _tc_rate(name, dev, self.rate)
             for name in self.names:
                 holder = subprocess.Popen(
                     ["ip", "netns", "exec", name, "unshare", "--pid", "--ipc", "--fork", "--mount-proc",

@@ -134,9 +134,12 @@ def link_seeds(frames: dict[str, bytes]) -> dict[str, dict[str, bytes]]:
         for mode in (0, 1):
             unix[f"{name}-{mode}"] = chunked(mode, unix_datagrams(frame))
             tcp[f"{name}-{mode}"] = chunked(mode, [b"".join(tcp_records(frame))])
+        tcp[f"{name}-3"] = chunked(3, [b"".join(tcp_records(frame))])  # large ones announced, followed
     hello = frames["hello"]
     unix["aborted-then-hello-1"] = chunked(1, unix_datagrams(hello)[:3] + [b"\x02"] + unix_datagrams(hello))
     tcp["aborted-then-hello-1"] = chunked(1, [*tcp_records(hello)[:3], struct.pack("<BxxxIQ", tcplink.ABORT, 0, 0),
+                                              *tcp_records(hello)])
+    tcp["aborted-then-hello-3"] = chunked(3, [*tcp_records(hello)[:3], struct.pack("<BxxxIQ", tcplink.ABORT, 0, 0),
                                               *tcp_records(hello)])
     return {"unixlink": unix, "tcplink": tcp}
 

@@ -11,7 +11,8 @@ per process (:func:`close` unmaps it). Input formats:
 - ``handshake``, ``codec``: one frame in the contiguous layout (``codec``: also a batch of
   frames back to back, as :func:`mq.codec.split_batch` reads NNG messages).
 - ``unixlink``, ``tcplink``: a mode byte (bit 0: the link already authenticated, where the
-  link reader distinguishes), then chunks, each a length byte and that many bytes: one
+  link reader distinguishes; bit 1, tcp: large frames announced and followed, as a relay
+  does), then chunks, each a length byte and that many bytes: one
   datagram each (unix), or one write each (tcp), read after every chunk.
 - ``shm``: a msgpack value, the shared-memory descriptor a frame's header would carry.
 - ``cuda``: a msgpack value: a CUDA descriptor as a frame's header would carry it, or (a map)
@@ -152,7 +153,7 @@ def unixlink_target(data: bytes) -> None:
 
 def tcplink_target(data: bytes) -> None:
     """:meth:`mq.backends.links.tcp.Inbound.read` over a stream pair, a write per chunk."""
-    with _patched(tcplink, "PIECE", TCP_PIECE):
+    with _patched(tcplink, "PIECE", TCP_PIECE), _patched(tcplink, "BEGUN_MIN", 2 * TCP_PIECE):
         _feed_link(tcplink.Inbound, socket.SOCK_STREAM, data)
 
 
@@ -166,6 +167,8 @@ def _feed_link(inbound: type, kind: int, data: bytes) -> None:
     try:
         theirs.setblocking(False)  # the reader drains after each chunk: a full buffer is a bug
         link = _make_inbound(inbound, ours, trusted=bool(data[0] & 1))
+        if hasattr(link, "announce"):  # tcp: large frames announced, some followed (cut-through)
+            link.announce = bool(data[0] & 2)
         for chunk in _chunks(data[1:]):
             theirs.send(chunk)
             if not _drain(link):
@@ -221,6 +224,9 @@ def _drain(link: Any) -> bool:
             return False
         if frame is None:
             return True
+        if type(frame) is tcplink.Begun:  # a large frame's header is in: follow the rest
+            frame.watch()
+            continue
         if len(memoryview(frame).cast("B")) > LINK_MAX_FRAME:
             raise Finding(f"a link read a {len(frame)}-byte frame (max_frame {LINK_MAX_FRAME})")
     raise Finding(f"read() returned frames {MAX_READS} times from one short input")

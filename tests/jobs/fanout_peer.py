@@ -36,6 +36,7 @@ def main() -> None:
             q.subscribe("w", report)
         else:
             q.subscribe("w")
+        q.on("relay_stats", lambda _: q.stats().relay)  # what this node relayed, and how
         q.wait_for_peers(int(os.environ.get("MQ_TEST_PEERS", "1")), timeout=30)
         print("ready", flush=True)
         time.sleep(600)  # the test stops or SIGKILLs us

@@ -33,7 +33,8 @@ from typing import Any, Callable
 from mq.backends.links import warm
 from mq.backends.links.base import Receiver, Sender, listener
 from mq.codec import Frame, empty_buffer
-from mq.errors import ProtocolError, Timeout
+from mq.cut_through import Arrival
+from mq.errors import MQError, ProtocolError, Timeout
 
 # At most this much of a frame per record: what a timed-out send may still owe. Measured across
 # a veth pair (two network namespaces), 640 MB frames, p50 of 6, three interleaved rounds:
@@ -41,6 +42,7 @@ from mq.errors import ProtocolError, Timeout
 # 4 MiB 226-270 (over loopback larger pieces won: 4 MiB 126-136 ms, 256 KiB 192-435).
 PIECE = 256 << 10
 COPY_MAX = 64 << 10  # frames up to this size are copied into one record; larger ones gathered
+BEGUN_MIN = 4 * PIECE  # frames from this size are announced when their header is in (cut-through)
 _HEAD = struct.Struct("<BxxxIQ")  # tag, piece length, frame size (BEGIN only)
 BEGIN, MORE, ABORT = 1, 2, 3
 _ABORT_RECORD = _HEAD.pack(ABORT, 0, 0)
@@ -61,23 +63,39 @@ def listen(host: str) -> socket.socket:
     return listener(family, kind, proto, addr)
 
 
+class Begun:
+    """What :meth:`Inbound.read` gives, once per large frame, when the frame's header is in:
+    ``frame`` is the whole frame's buffer, filled up to past the header so far, and ``watch()``
+    the frame's :class:`~mq.cut_through.Arrival` (made on the first call) to follow the rest."""
+
+    __slots__ = ("frame", "watch")
+
+    def __init__(self, frame: Any, watch: Any):
+        self.frame = frame
+        self.watch = watch
+
+
 class Inbound(Receiver):
     """One accepted connection: reads its records, a frame's pieces straight into the frame."""
 
-    __slots__ = ("_head", "_head_got", "_buf", "_filled", "_piece_end")
+    __slots__ = ("announce", "_head", "_head_got", "_buf", "_filled", "_piece_end", "_begun_at", "_arrival")
 
     def __init__(self, sock: socket.socket, max_frame: int, trusts: Callable[[Any], bool]):
         super().__init__(sock, max_frame, trusts, "tcp", next(_serial))
+        self.announce = False  # read() gives a Begun for large frames (their reader follows them)
         self._head = bytearray(_HEAD.size)
         self._head_got = 0
         self._buf: Any = None  # the frame being filled, how much of it came, and
         self._filled = 0                    # where the current piece ends
         self._piece_end = 0
+        self._begun_at = 0  # filled bytes at which to announce the frame begun (0: never)
+        self._arrival: Arrival | None = None  # someone follows the frame being filled
 
     def read(self) -> Any:
         """The next whole frame, or None when none is complete yet (nothing blocks, and nothing
         is kept back: what the socket holds past one frame stays in the socket, so a level-
-        triggered poll() still sees it).
+        triggered poll() still sees it); with ``announce``, a :class:`Begun` once a large
+        frame's header is in.
 
         Raises:
             EOFError: the sender closed (or died).
@@ -90,9 +108,15 @@ class Inbound(Receiver):
                 if n is None:
                     return None
                 self._filled += n
+                if self._arrival is not None:
+                    self._arrival.advance(self._filled)
                 if self._filled == len(buf):
-                    self._buf = None
+                    self._buf = self._arrival = None
                     return buf
+                if self._begun_at and self._filled >= self._begun_at:
+                    begun = self._begun()
+                    if begun is not None:
+                        return begun
                 continue
             n = self._recv([memoryview(self._head)[self._head_got:]])
             if n is None:
@@ -101,6 +125,29 @@ class Inbound(Receiver):
             if self._head_got == _HEAD.size:
                 self._head_got = 0
                 self._record(*_HEAD.unpack(self._head))
+
+    def _begun(self) -> Begun | None:
+        """The frame's header is in (``_begun_at`` reached): announce it, or wait for more."""
+        buf = self._buf
+        if self._begun_at == 4:  # its length is in: the whole header ends there
+            self._begun_at = 4 + int.from_bytes(memoryview(buf)[:4], "little")
+            if self._begun_at >= len(buf):
+                self._begun_at = 0  # no body to follow
+            elif self._filled < self._begun_at:
+                return None
+        self._begun_at = 0
+        return Begun(buf, self._watch)
+
+    def _watch(self) -> Arrival:
+        """The frame being filled, followed from now on (the reader's thread)."""
+        if self._arrival is None:
+            self._arrival = Arrival(len(self._buf), self._filled)
+        return self._arrival
+
+    def _cut_off(self, why: str) -> None:
+        if self._arrival is not None:
+            self._arrival.abort(why)
+            self._arrival = None
 
     def _record(self, tag: int, length: int, size: int) -> None:
         """Act on a record's head: start a frame, a piece, or drop the frame begun."""
@@ -118,6 +165,7 @@ class Inbound(Receiver):
             except MemoryError:  # e.g. many links each claiming a huge frame
                 raise ProtocolError(f"no memory for a frame of {size} bytes") from None
             self._filled, self._piece_end = 0, length
+            self._begun_at = 4 if self.announce and size >= BEGUN_MIN else 0
         elif tag == MORE:
             if buf is None or not 0 < length <= min(PIECE, len(buf) - self._filled) or size:
                 raise ProtocolError(f"a {length}-byte piece where "
@@ -125,10 +173,14 @@ class Inbound(Receiver):
             self._piece_end = self._filled + length
         elif tag == ABORT and not length and not size:
             self._buf = None  # the sender gave up on this frame (its send timed out)
-            self._filled = self._piece_end = 0
+            self._filled = self._piece_end = self._begun_at = 0
+            self._cut_off("its sender dropped it")
         else:
             raise ProtocolError(f"a record with tag {tag}, length {length}, size {size}")
 
+    def close(self) -> None:
+        self._cut_off("the link to its sender closed")
+        super().close()
 
 
 class Outbound(Sender):
@@ -171,10 +223,29 @@ class Outbound(Sender):
                 if sent < len(buf):
                     self._record(peer, [memoryview(buf)[sent:]], deadline, begun=sent > 0)
                 return
+            # A frame relayed while it arrives (mq.cut_through): each piece once it is in.
+            ready = getattr(frame, "ready_through", None)
             for i, record in enumerate(records or ()):
+                if ready is not None:
+                    self._wait_ready(peer, ready, min((i + 1) * PIECE, size), deadline, begun=i > 0)
                 self._record(peer, record, deadline, begun=i > 0)
         finally:
             self._lock.release()
+
+    def _wait_ready(self, peer: int, ready: Callable[[int, float], None], end: int, deadline: float,
+                    begun: bool) -> None:
+        """Wait until the frame's first ``end`` bytes can be sent; if they never can, drop what
+        of the frame went already (the peer gets the ABORT) and raise."""
+        try:
+            ready(end, deadline)
+        except MQError:
+            if begun:
+                self._abort_due = True
+                try:
+                    self._settle(peer, time.monotonic())
+                except Timeout:
+                    pass  # sent before the next frame
+            raise
 
     def _record(self, peer: int, parts: list[Any], deadline: float, begun: bool) -> None:
         """Send (the rest of) one record, or raise Timeout. ``begun``: bytes of this frame went

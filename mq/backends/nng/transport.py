@@ -320,6 +320,10 @@ class NngTransport(Transport):
         box.send(peer, frame, timeout)
         return None
 
+    def streams_to(self, peer: int) -> bool:
+        # mq's tcp link sends a frame piece by piece: it can wait for each piece to arrive.
+        return type(self._out.get(peer)) is tcplink.Outbound
+
     # Receiving. One thread at a time holds the reader token and takes frames off the inbox
     # socket, delivering each before it lets go, so frames keep their order. A thread in recv()
     # reads for itself (no hand-off from another thread); the I/O thread reads only while nobody
@@ -403,6 +407,10 @@ class NngTransport(Transport):
                 return
             if frame is None:
                 return
+            if type(frame) is tcplink.Begun:  # a large frame's header is in, its body coming
+                if self._node.trusts(link.link):
+                    self._node.on_begun(frame.frame, frame.watch, link.link)
+                continue
             self.received += 1
             if not self._node.trusts(link.link):
                 if not self._node.on_handshake(frame, link.link):
@@ -428,6 +436,8 @@ class NngTransport(Transport):
                 log.warning("node %d: cannot accept a link: %s", self.node_id, exc)
                 return
             link = inbound(conn, self._node.max_frame_bytes, self._node.trusts)
+            if inbound is tcplink.Inbound:
+                link.announce = True  # large frames to relay may go on while they arrive
             with self._net_lock:
                 if self._state != "listening" or len(self._inbound) >= _MAX_LINKS:
                     link.close()  # a flood of connections must not take every fd

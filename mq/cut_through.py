@@ -1,0 +1,117 @@
+"""Cut-through relaying: a relay forwards a large frame to the next host while its bytes still
+arrive, instead of after the whole frame came in.
+
+A relayed hop (:mod:`mq.fanout`) carries the same body as the frame its relay receives: the
+payload's buffers, each on a 64-byte boundary from the first, so the body's bytes are the same
+in both frames and only the header in front differs (the hop's plan, its sender). A relay's
+tcp link (:mod:`mq.backends.links.tcp`) tells core when a large frame's header is in
+(``Events.on_begun``); for a RELAY frame whose plan names peers on other hosts, :mod:`mq.fanout`
+watches the frame's :class:`Arrival` and sends each of those peers an :class:`ArrivingFrame`: its
+own header, then the incoming body, each piece going out once it came in. With H hosts in a
+chain the last one has the message about one transfer after the first, not H transfers.
+
+Nothing else changes: the relay still delivers the whole frame to itself and its same-host
+neighbours once it is in, acks only when its subtree acked, and a frame cut off upstream (its
+sender's ABORT, a dropped link) is cut off downstream too (the tcp link's ABORT record), so no
+host ever delivers part of a message.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from mq.codec import ALIGN, Frame
+from mq.errors import ClosedError, Timeout
+
+__all__ = ["AHEAD", "Arrival", "ArrivingFrame", "body_offset"]
+
+#: Bytes a hop waits for beyond what it needs next (a few ms of a fast link; see ready_through).
+AHEAD = 2 << 20
+
+
+def body_offset(frame: Any) -> int:
+    """Where the first buffer of a frame in the contiguous layout (:mod:`mq.codec`) starts: its
+    header length (u32), the header, padding to the alignment. Only the header need be in."""
+    return (4 + int.from_bytes(memoryview(frame)[:4], "little") + ALIGN - 1) & -ALIGN
+
+
+class Arrival:
+    """The bytes of one frame as its link receives them. The link's reader calls
+    :meth:`advance` and :meth:`abort`; another thread :meth:`wait`\\ s for a prefix."""
+
+    __slots__ = ("size", "filled", "_want", "_why", "_cond")
+
+    def __init__(self, size: int, filled: int = 0):
+        self.size = size
+        self.filled = filled
+        self._want = size + 1  # what a waiter waits for: the reader wakes it only then
+        self._why: str | None = None
+        self._cond = threading.Condition()
+
+    def advance(self, filled: int) -> None:
+        """The first ``filled`` bytes are in (the reader's thread, per read: kept cheap)."""
+        self.filled = filled
+        if filled >= self._want:
+            with self._cond:
+                self._cond.notify_all()
+
+    def abort(self, why: str) -> None:
+        """The frame will never be whole (its sender dropped it, or the link broke)."""
+        with self._cond:
+            if self.filled < self.size:
+                self._why = why
+            self._cond.notify_all()
+
+    @property
+    def cut_off(self) -> bool:
+        return self._why is not None
+
+    def wait(self, end: int, deadline: float) -> None:
+        """Return once the first ``end`` bytes are in.
+
+        Raises:
+            ClosedError: the frame was cut off before that.
+            Timeout: not by ``deadline`` (``time.monotonic()``).
+        """
+        end = min(end, self.size)
+        if self.filled >= end:
+            return
+        with self._cond:
+            try:
+                while self.filled < end:
+                    if self._why is not None:
+                        raise ClosedError(f"the relayed frame was cut off upstream: {self._why}")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Timeout(f"the relayed frame did not arrive in time ({self.filled} of "
+                                      f"{self.size} bytes came)")
+                    self._want = end
+                    self._cond.wait(left)
+            finally:
+                self._want = self.size + 1
+
+
+class ArrivingFrame(Frame):
+    """A hop frame whose body is the body of a frame still arriving (see the module docstring):
+    ``buffers`` are views of the incoming frame, whose first buffer starts at ``body_at``. A link
+    that sends it in pieces calls :meth:`ready_through` before each piece."""
+
+    __slots__ = ("_arrival", "_shift")
+
+    def __init__(self, kind: int, head: list[Any], buffers: list[Any], sizes: list[int],
+                 arrival: Arrival, body_at: int):
+        super().__init__(kind, head, buffers, sizes)
+        self._arrival = arrival
+        # Where a byte of this frame's body lies in the incoming one.
+        self._shift = body_at - (self._offsets[0] if sizes else self.size)
+
+    def ready_through(self, end: int, deadline: float) -> None:
+        """Block until this frame's first ``end`` bytes can be read (see :meth:`Arrival.wait`).
+        When it must wait, it waits for :data:`AHEAD` more: a wake-up per few MiB, not per
+        piece (each costs both threads a GIL hand-off)."""
+        arrival = self._arrival
+        end += self._shift
+        if arrival.filled < end:
+            arrival.wait(end + AHEAD, deadline)
