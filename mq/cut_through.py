@@ -64,10 +64,6 @@ class Arrival:
                 self._why = why
             self._cond.notify_all()
 
-    @property
-    def cut_off(self) -> bool:
-        return self._why is not None
-
     def wait(self, end: int, deadline: float) -> None:
         """Return once the first ``end`` bytes are in.
 

@@ -603,7 +603,9 @@ class Fanout:
                 stream.failed.add(plan_ids(stream.plan), "error",
                                   f"relay node {self.node_id}: {type(exc).__name__}: {exc}")
             buffers = None  # type: ignore[assignment]
-            if arrival.cut_off:  # it never comes whole: nobody else will ask for this stream
+            if arrival.filled < arrival.size:
+                # It ended before the frame was whole (cut off, or out of time): nothing went
+                # on whole, so forget it; if the frame still comes, it is forwarded as a whole.
                 with self._lock:
                     self._streaming.pop(key, None)
             stream.done.set()
