@@ -24,6 +24,7 @@ from mq.backends.links import tcp as tcplink
 from mq.backends.links import unix as unixlink
 from mq.backends.links.base import Sender
 from mq.codec import MSG, Codec, split
+from mq.cut_through import AHEAD
 from mq.errors import ProtocolError
 from mq.testing import wait_until
 
@@ -453,6 +454,11 @@ def _relay_chain():
                 r.join(5)
 
 
+# Records the upstream sends before holding back the rest: enough for the relay's first piece
+# and what it waits for beyond it (mq.cut_through.AHEAD), so some of the frame goes on.
+_FIRST = (tcplink.PIECE + AHEAD) // tcplink.PIECE + 2
+
+
 def _hop_of(begun, arrival, topic: str):
     """The frame a relay sends on for ``begun``: its own header, the incoming frame's body."""
     from mq.codec import Frame
@@ -464,11 +470,11 @@ def _hop_of(begun, arrival, topic: str):
 
 
 def test_a_relay_sends_a_frame_on_while_it_arrives_and_it_lands_whole():
-    data = np.random.default_rng(7).integers(0, 256, 3 << 20, dtype=np.uint8)
+    data = np.random.default_rng(7).integers(0, 256, 8 << 20, dtype=np.uint8)
     incoming = frame_of({"blob": data, "n": 1})
     records = [b"".join(bytes(p) for p in r) for r in tcplink._records(incoming.parts(), incoming.size)]
     with _relay_chain() as (up, relay, relay_out, down):
-        up.sendall(b"".join(records[:3]))  # the header and the first pieces; the rest held back
+        up.sendall(b"".join(records[:_FIRST]))  # the header and the first pieces; the rest held back
         assert wait_until(lambda: relay.begun, 10)
         hop = _hop_of(relay.begun[0], relay.arrivals[0], "on")
         sent: list = []
@@ -477,7 +483,7 @@ def test_a_relay_sends_a_frame_on_while_it_arrives_and_it_lands_whole():
         # The next host has the frame's header and first pieces while the rest is still upstream.
         assert wait_until(lambda: down.begun, 10), "nothing went on before the frame was whole"
         assert relay.arrivals[0].filled < incoming.size and not relay.frames and sender.is_alive()
-        up.sendall(b"".join(records[3:]))
+        up.sendall(b"".join(records[_FIRST:]))
         sender.join(20)
         assert sent == [None]
         assert wait_until(lambda: down.frames and relay.frames, 10)
@@ -488,10 +494,10 @@ def test_a_relay_sends_a_frame_on_while_it_arrives_and_it_lands_whole():
 
 
 def test_a_frame_cut_off_upstream_is_cut_off_downstream_and_the_links_go_on():
-    incoming = frame_of(np.ones(3 << 20, dtype=np.uint8))
+    incoming = frame_of(np.ones(8 << 20, dtype=np.uint8))
     records = [b"".join(bytes(p) for p in r) for r in tcplink._records(incoming.parts(), incoming.size)]
     with _relay_chain() as (up, relay, relay_out, down):
-        up.sendall(b"".join(records[:3]))
+        up.sendall(b"".join(records[:_FIRST]))
         assert wait_until(lambda: relay.begun, 10)
         hop = _hop_of(relay.begun[0], relay.arrivals[0], "on")
         errors: list = []
