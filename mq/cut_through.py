@@ -25,16 +25,21 @@ from typing import Any
 from mq.codec import ALIGN, Frame
 from mq.errors import ClosedError, Timeout
 
-__all__ = ["AHEAD", "Arrival", "ArrivingFrame", "body_offset"]
+__all__ = ["AHEAD", "Arrival", "ArrivingFrame", "body_offset", "header_end"]
 
 #: Bytes a hop waits for beyond what it needs next (a few ms of a fast link; see ready_through).
 AHEAD = 2 << 20
 
 
+def header_end(frame: Any) -> int:
+    """Where the header of a frame in the contiguous layout (:mod:`mq.codec`) ends: its length
+    (u32) and the header. Only the first 4 bytes need be in."""
+    return 4 + int.from_bytes(memoryview(frame)[:4], "little")
+
+
 def body_offset(frame: Any) -> int:
-    """Where the first buffer of a frame in the contiguous layout (:mod:`mq.codec`) starts: its
-    header length (u32), the header, padding to the alignment. Only the header need be in."""
-    return (4 + int.from_bytes(memoryview(frame)[:4], "little") + ALIGN - 1) & -ALIGN
+    """Where the first buffer of a frame starts: the header's end, padded to the alignment."""
+    return (header_end(frame) + ALIGN - 1) & -ALIGN
 
 
 class Arrival:

@@ -80,7 +80,11 @@ def unavailable() -> str | None:
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = ["ip", *args]
+    return _run(["ip", *args], check)
+
+
+def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    """Run an iproute2 command; NetnsError (saying which) when it fails or hangs."""
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -271,13 +275,8 @@ def _tc_rate(netns: str | None, dev: str, rate: str) -> None:
     burst (more than one GSO segment) and up to 50 ms of queue."""
     if not shutil.which("tc"):
         raise NetnsError("`tc` not found: install iproute2 for --link-rate")
-    argv = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb",
-            "latency", "50ms"]
-    if netns is not None:
-        argv = ["ip", "netns", "exec", netns, *argv]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=10)
-    if done.returncode != 0:
-        raise NetnsError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+    tc = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
+    _run(tc if netns is None else ["ip", "netns", "exec", netns, *tc])
 
 
 def _python_wrapper(prefix: str, command: list[str]) -> str:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 from mq.backends.links import warm
 from mq.backends.links.base import Receiver, Sender, listener
 from mq.codec import Frame, empty_buffer
-from mq.cut_through import Arrival
+from mq.cut_through import Arrival, header_end
 from mq.errors import MQError, ProtocolError, Timeout
 
 # At most this much of a frame per record: what a timed-out send may still owe. Measured across
@@ -130,7 +130,7 @@ class Inbound(Receiver):
         """The frame's header is in (``_begun_at`` reached): announce it, or wait for more."""
         buf = self._buf
         if self._begun_at == 4:  # its length is in: the whole header ends there
-            self._begun_at = 4 + int.from_bytes(memoryview(buf)[:4], "little")
+            self._begun_at = header_end(buf)
             if self._begun_at >= len(buf):
                 self._begun_at = 0  # no body to follow
             elif self._filled < self._begun_at:
