@@ -379,6 +379,8 @@ class Codec:
                     raise ProtocolError(f"descriptor for buffer {index!r} does not match the frame")
                 buffers[index] = resolve(sender, desc)
                 shared.add(index)
+        elif kind == RELAY:  # it may lie in the relay's pool, shared with its host (mq.fanout)
+            shared = _EVERY_BUFFER  # so its numpy views are read-only, as its neighbours' are
         if not isinstance(sent_at, float):
             raise ProtocolError("envelope send time is not a float")
         if descs is None and isinstance(header, list):
@@ -399,6 +401,7 @@ class Codec:
 
 
 _NOTHING_SHARED: frozenset[int] = frozenset()
+_EVERY_BUFFER = range(MAX_BUFFERS)
 _ENVELOPE_FIELDS = 10  # VERSION, kind, topic, sender, seq, corr, tree, sizes, descs, sent_at
 
 

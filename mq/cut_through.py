@@ -25,10 +25,14 @@ from typing import Any
 from mq.codec import ALIGN, Frame
 from mq.errors import ClosedError, Timeout
 
-__all__ = ["AHEAD", "Arrival", "ArrivingFrame", "body_offset", "header_end"]
+__all__ = ["AHEAD", "AHEAD_MIN", "LOOK_AHEAD_S", "Arrival", "ArrivingFrame", "body_offset", "header_end"]
 
-#: Bytes a hop waits for beyond what it needs next (a few ms of a fast link; see ready_through).
+#: The most a hop waits for beyond what it needs next (see ready_through): under a ms of a
+#: fast link. On a slower one it waits for about LOOK_AHEAD_S of the frame's arrival instead
+#: (at least AHEAD_MIN), so each hop of a chain adds about that much, not AHEAD's worth.
 AHEAD = 2 << 20
+AHEAD_MIN = 64 << 10
+LOOK_AHEAD_S = 0.001
 
 
 def header_end(frame: Any) -> int:
@@ -46,11 +50,12 @@ class Arrival:
     """The bytes of one frame as its link receives them. The link's reader calls
     :meth:`advance` and :meth:`abort`; another thread :meth:`wait`\\ s for a prefix."""
 
-    __slots__ = ("size", "filled", "_want", "_why", "_cond")
+    __slots__ = ("size", "filled", "_want", "_why", "_cond", "_t0", "_filled0")
 
     def __init__(self, size: int, filled: int = 0):
         self.size = size
         self.filled = filled
+        self._t0, self._filled0 = time.monotonic(), filled  # for the arrival rate (ahead)
         self._want = size + 1  # what a waiter waits for: the reader wakes it only then
         self._why: str | None = None
         self._cond = threading.Condition()
@@ -68,6 +73,13 @@ class Arrival:
             if self.filled < self.size:
                 self._why = why
             self._cond.notify_all()
+
+    def ahead(self) -> int:
+        """Bytes worth waiting for past what a hop needs next: about LOOK_AHEAD_S of this
+        frame's arrival so far, within [AHEAD_MIN, AHEAD]."""
+        took = time.monotonic() - self._t0
+        rate = (self.filled - self._filled0) / took if took > 0 else 0.0
+        return min(AHEAD, max(AHEAD_MIN, int(rate * LOOK_AHEAD_S)))
 
     def wait(self, end: int, deadline: float) -> None:
         """Return once the first ``end`` bytes are in.
@@ -110,9 +122,9 @@ class ArrivingFrame(Frame):
 
     def ready_through(self, end: int, deadline: float) -> None:
         """Block until this frame's first ``end`` bytes can be read (see :meth:`Arrival.wait`).
-        When it must wait, it waits for :data:`AHEAD` more: a wake-up per few MiB, not per
-        piece (each costs both threads a GIL hand-off)."""
+        When it must wait, it waits for :meth:`Arrival.ahead` more: a wake-up per ms or per
+        2 MiB, not per piece (each costs both threads a GIL hand-off)."""
         arrival = self._arrival
         end += self._shift
         if arrival.filled < end:
-            arrival.wait(end + AHEAD, deadline)
+            arrival.wait(end + arrival.ahead(), deadline)

@@ -188,6 +188,10 @@ class Dispatch:
             return None  # as on_frame: the ordinary frame is dropped, the caller learns PeerLost
         return self._calls.serve_now(env, p)
 
+    def lend(self, nbytes: int) -> Any:
+        pool = self._sender.pool
+        return pool.lend(nbytes) if pool is not None else None
+
     def on_link_lost(self, peer: int, why: str) -> None:
         if self._life.listening:
             self._peers.lose(peer, why)

@@ -6,7 +6,9 @@ those whose domain is unknown, get the frame directly (same-host ones share one 
 every other domain with subscribers, one of them (the lowest node id) is its **relay**: it gets
 the frame once, over its own link, as a RELAY frame carrying a *plan*, the subscribers it must
 forward to. The relay delivers the message to itself, then forwards it to its plan through its
-own pool (one copy into shm on that host, descriptors to its neighbours).
+own pool: its tcp link reads a RELAY frame straight into a slot the pool lends
+(:meth:`mq.shm.Pool.lend`), so its neighbours get descriptors of that very slot (by handle, no
+copy on that host; one copy into the pool when the pool had no room to lend).
 
 Plans nest, so hosts can form a tree or a chain instead of a star (``relay_shape``):
 

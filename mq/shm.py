@@ -76,6 +76,7 @@ _MIN_SEGMENT = 64 << 10
 _PROBE_SIZE = _HEADER  # the probe segment is a bare header
 _MAX_FD = 1 << 31  # fds are C ints
 _MAX_INT = 1 << 63  # ids and generations live in u64 header fields; pids are far below
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # mmap flag: fault every page in now, in one go
 
 #: Default bound of one node's pool: a quarter of RAM, at most 4 GiB.
 DEFAULT_POOL_BYTES = min(4 << 30, (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4)
@@ -128,10 +129,11 @@ class _Segment:
     holders: dict[int, int] = field(default_factory=dict)  # peer -> views it may still hold
     pinned: bool = False  # allocated by the user (alloc): never reused while referenced
     user_view: Any = None  # the numpy array handed out by alloc()
+    lent: bool = False  # a frame from another host lies in it (lend): views of it may live here
 
     @property
     def free(self) -> bool:
-        return not self.holders and not self.pinned
+        return not self.holders and not self.pinned and not self.lent
 
     def write_header(self, state: int = _LIVE) -> None:
         _HEAD.pack_into(self.mm, 0, _MAGIC, self.gen, state, self.seg_id)
@@ -163,8 +165,10 @@ class Pool:
         self._ids = itertools.count(1)
         self._bytes = 0
         self._closed = False
+        self._lent_bytes = 0
+        self._returned: queue.SimpleQueue = queue.SimpleQueue()  # lent segments whose views are gone
         self.stats = {"placed": 0, "by_handle": 0, "copied_bytes": 0, "waits": 0,
-                      "stale_releases": 0, "segments": 0}
+                      "stale_releases": 0, "segments": 0, "lent": 0}
         # A tiny segment peers open during the handshake to prove they can read this pool.
         self._probe = self._new_segment(0)
         self._probe.pinned = True
@@ -223,7 +227,7 @@ class Pool:
                 return seg
         return None
 
-    def _take(self, nbytes: int, timeout: float, reuse: bool = True) -> _Segment:
+    def _take(self, nbytes: int, timeout: float, reuse: bool = True, populate: bool = False) -> _Segment:
         """A free segment that fits (best fit; with ``reuse`` off always a fresh one), a new
         one, or wait. Called with the lock held.
 
@@ -236,6 +240,7 @@ class Pool:
         deadline = time.monotonic() + timeout
         waited = False
         while True:
+            self._collect_lent()
             if self._closed:
                 raise ConfigError("the shared-memory pool is closed (the queue stopped)")
             fits = [s for s in self._segments.values()
@@ -245,7 +250,7 @@ class Pool:
             if self._bytes + cap > self.max_bytes:
                 self._retire_free(self._bytes + cap - self.max_bytes)
             if self._bytes + cap <= self.max_bytes:
-                return self._new_segment(cap)
+                return self._new_segment(cap, populate)
             left = deadline - time.monotonic()
             if left <= 0:
                 held = sum(s.capacity for s in self._segments.values() if not s.free)
@@ -259,14 +264,14 @@ class Pool:
                 waited = True
             self._cond.wait(min(left, 0.1))
 
-    def _new_segment(self, capacity: int) -> _Segment:
+    def _new_segment(self, capacity: int, populate: bool = False) -> _Segment:
         fd = os.memfd_create(f"{_NAME_PREFIX}{self.label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, _HEADER + capacity)
             # Sealed before any peer sees it: readers refuse segments that could shrink.
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
-            mm = mmap.mmap(fd, _HEADER + capacity, flags=mmap.MAP_SHARED)
+            mm = mmap.mmap(fd, _HEADER + capacity, flags=mmap.MAP_SHARED | (POPULATE if populate else 0))
         except OSError:
             os.close(fd)
             raise
@@ -327,6 +332,48 @@ class Pool:
         if not seg.holders and seg.user_view is not None:
             seg.user_view.flags.writeable = True
         self._cond.notify_all()
+
+    # ------------------------------------------------------------------ lending
+    def lend(self, nbytes: int) -> memoryview | None:
+        """``nbytes`` writable bytes in a slot, for a frame arriving from another host that this
+        node passes on to same-host peers: :meth:`place` finds its buffers here and sends them by
+        handle (no copy). The slot is lent until every view of it is garbage, and then free once
+        the peers it was placed for released it.
+
+        None (never waits) when the pool has no free room now, or lending would take more than
+        half of it: the rest stays for what this node sends, whatever receivers keep."""
+        cap = _capacity(nbytes)
+        with self._cond:
+            self._collect_lent()
+            if self._closed or self._lent_bytes + cap > self.max_bytes // 2:
+                return None
+            try:
+                seg = self._take(nbytes, 0.0, populate=True)  # no faults while the frame arrives
+            except (Timeout, ConfigError):
+                return None
+            seg.lent = True
+            seg.gen += 1
+            seg.write_header()
+            self._lent_bytes += seg.capacity
+            self._by_address.append((seg.base, seg.base + seg.capacity, seg))
+            self.stats["lent"] += 1
+        # `keep` exports the mapping while lent, so close() cannot unmap it under a view; the
+        # last view's garbage collection (any thread) returns the slot through a queue, no lock.
+        keep, back = memoryview(seg.mm), self._returned.put
+        ptr = _ffi.gc(_ffi.cast("char *", seg.base), lambda _p, seg=seg, keep=keep: back(seg))
+        return memoryview(_ffi.buffer(ptr, nbytes))
+
+    def _collect_lent(self) -> None:
+        """Take back the lent slots no view references any more. Called with the lock held."""
+        while True:
+            try:
+                seg = self._returned.get_nowait()
+            except queue.Empty:
+                return
+            seg.lent = False
+            self._lent_bytes -= seg.capacity
+            self._by_address = [e for e in self._by_address if e[2] is not seg]
+            self._cond.notify_all()
 
     # ------------------------------------------------------------------ by handle
     def alloc(self, shape: Any, dtype: Any, timeout: float = 0.0) -> Any:

@@ -99,6 +99,12 @@ class Events(Protocol):
         comes to ``on_frame`` once whole. Same threads as ``on_frame``; must not block. Only
         transports whose links read frames in pieces call it."""
 
+    def lend(self, nbytes: int) -> Any:
+        """Writable room for an arriving frame of ``nbytes`` that this node passes on to its own
+        host (a relayed publish): a slot of its shm pool, so the frame goes on by handle, not
+        by a copy. None when there is none now (never blocks): the transport's own buffer then.
+        Called from the I/O thread, only for frames on a trusted link."""
+
     def on_link_lost(self, peer: int, why: str) -> None:
         """The link to ``peer`` broke (its process died, or it closed)."""
 

@@ -150,6 +150,11 @@ def test_relayed_publish_reaches_every_subscriber_once_with_the_publishers_id(cl
     st = q.stats().relay
     # One copy per host: the publisher sends to each relay (tree) or to the first (chain).
     assert st["relayed"] == 1 and st["forwarded"] == copies and st["fallback_direct"] == 0, st
+    # Each relay took the frame into its pool as it arrived and gave it to its neighbour by
+    # handle: nothing copied on either host (the arrays above are read-only on all four).
+    for relay in (1, 3):
+        shm = q.call(relay, "shm_stats", timeout=10)
+        assert shm["lent"] == 1 and shm["by_handle"] == 1 and shm["copied_bytes"] == 0, (relay, shm)
 
 
 @pytest.mark.netns

@@ -23,15 +23,16 @@ import mq
 from mq.backends.links import tcp as tcplink
 from mq.backends.links import unix as unixlink
 from mq.backends.links.base import Sender
-from mq.codec import MSG, Codec, split
-from mq.cut_through import AHEAD
+from mq.codec import MSG, RELAY, Codec, split
+from mq.cut_through import AHEAD, AHEAD_MIN, Arrival
 from mq.errors import ProtocolError
 from mq.testing import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HEAD = struct.Struct("<BxxxIQ")  # a tcp link record's head
+HEAD = struct.Struct("<BxxxIQ")  # a tcp link record's head (its flags byte 0)
+FLAGGED = struct.Struct("<BBxxIQ")  # the same, with its flags byte
 
 
 def frame_of(payload, topic: str = "t"):
@@ -179,6 +180,10 @@ def test_a_closed_sender_reads_as_end_of_link(link_pair):
     ("tcp", HEAD.pack(tcplink.BEGIN, 10, 100) + b"x" * 10 + HEAD.pack(tcplink.BEGIN, 10, 100), "inside another"),
     ("tcp", HEAD.pack(tcplink.BEGIN, 10, 100) + b"x" * 10 + HEAD.pack(tcplink.MORE, 91, 0), "91-byte piece"),
     ("tcp", HEAD.pack(tcplink.ABORT, 5, 0), "tag 3"),
+    ("tcp", FLAGGED.pack(tcplink.BEGIN, 2, 10, 100), "flags 2"),
+    ("tcp", HEAD.pack(tcplink.BEGIN, 10, 100) + b"x" * 10 + FLAGGED.pack(tcplink.MORE, tcplink.SHARED, 90, 0),
+     "tag 2 and flags 1"),
+    ("tcp", FLAGGED.pack(tcplink.ABORT, tcplink.SHARED, 0, 0), "tag 3 and flags 1"),
 ])
 def test_malformed_datagrams_and_records_are_protocol_errors(kind, data, why):
     with joined(kind) as (out, inbound, _):
@@ -208,6 +213,40 @@ def test_a_continuation_with_a_wrong_tag_is_a_protocol_error(unix_pair):
 
 
 # ---------------------------------------------------------------------- tcp records
+def test_a_relayed_frame_lands_in_the_pool_the_link_lends_and_reads_as_shared(tcp_pair):
+    """A RELAY frame (its BEGIN flagged SHARED) lands in what ``lend`` gives, the node's shm
+    pool, so the relay passes it on to its host by handle; other frames, and a SHARED one the
+    pool has no room for, land in the link's own buffers."""
+    from mq.shm import Pool
+
+    out, inbound, _ = tcp_pair
+    pool = Pool(max_bytes=16 << 20)
+    inbound.lend = pool.lend
+    reader = _Reader(inbound)  # reads as the I/O thread does, while the sender writes
+    reader.start()
+    try:
+        data = np.arange(2 << 20, dtype=np.uint8)
+        out.send(1, Codec().encode(RELAY, "w", 1, 0, 0, [{"o": 1}, data]), 10.0)
+        assert wait_until(lambda: reader.frames, 10)
+        assert pool.stats["lent"] == 1
+        body = Codec().decode(*split(reader.frames[0])).payload[1]
+        assert np.array_equal(body, data) and not body.flags.writeable  # shared with its host
+        assert pool.place(body, [3], timeout=1) and pool.stats["by_handle"] == 1
+        out.send(1, frame_of(data), 10.0)  # a plain MSG: not lent
+        # 2 + 7 MiB lent would be over half the pool: the link's own buffer then.
+        out.send(1, Codec().encode(RELAY, "w", 1, 0, 0, [{"o": 1}, np.ones(7 << 20, np.uint8)]), 10.0)
+        assert wait_until(lambda: len(reader.frames) == 3, 10)
+        assert np.array_equal(decoded(reader.frames[1]), data)
+        assert Codec().decode(*split(reader.frames[2])).payload[1].sum() == 7 << 20
+        assert pool.stats["lent"] == 1
+        del body
+    finally:
+        reader.stop.set()
+        reader.join(5)
+        reader.frames.clear()
+        pool.close()
+
+
 def test_a_tcp_send_cut_off_mid_piece_owes_its_rest_then_an_abort(tcp_pair):
     out, inbound, _ = tcp_pair
     out.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
@@ -491,6 +530,22 @@ def test_a_relay_sends_a_frame_on_while_it_arrives_and_it_lands_whole():
     env = Codec().decode(*split(down.frames[0]))
     assert env.topic == "on" and env.sender == 2
     assert env.payload["n"] == 1 and np.array_equal(env.payload["blob"], data)
+
+
+def test_a_hop_looks_ahead_about_a_millisecond_of_its_frames_arrival():
+    """A relay that must wait for a piece waits for about 1 ms of the frame's arrival rate
+    more (fewer wake-ups), within [AHEAD_MIN, AHEAD]: on a slow link a fixed 2 MiB would hold
+    every hop of a chain back by ms (8 ms at 2 Gbit/s)."""
+    def ahead(took: float, came: int) -> int:
+        arrival = Arrival(1 << 40)
+        arrival._t0 -= took  # the frame began arriving `took` seconds ago
+        arrival.advance(came)
+        return arrival.ahead()
+
+    assert 240_000 <= ahead(1.0, 250_000_000) <= 250_000  # 2 Gbit/s: 250 KB, not 2 MiB
+    assert ahead(0.001, 100 << 20) == AHEAD  # faster than 2 MiB a ms: AHEAD at most
+    assert ahead(1.0, 1 << 20) == AHEAD_MIN  # a trickle: still a piece's worth, not a byte
+    assert ahead(0.0, 0) == AHEAD_MIN  # nothing measured yet
 
 
 def test_a_frame_cut_off_upstream_is_cut_off_downstream_and_the_links_go_on():

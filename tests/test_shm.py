@@ -135,6 +135,54 @@ def test_alloc_counts_against_the_bound_the_pool_announces(pool):
     del kept
 
 
+def _release_all(pool, reader):
+    for peer, items in reader.releases.take(1.0).items():
+        for seg, gen, n in items:
+            assert pool.release(peer, seg, gen, n)
+
+
+def test_a_lent_slot_goes_on_by_handle_and_is_free_only_when_both_sides_let_go(pool, reader):
+    # A frame from another host lands in a lent slot (the tcp link writes it); passed on to a
+    # same-host peer, its buffers go by handle: no copy.
+    room = pool.lend(2 * MB)
+    assert len(room) == 2 * MB and not room.readonly and pool.stats["lent"] == 1
+    body = np.frombuffer(room, np.uint8)
+    body[:] = 9
+    desc = pool.place(body[64:MB + 64], [1], timeout=1)
+    assert pool.stats["by_handle"] == 1 and pool.stats["copied_bytes"] == 0
+    view = np.frombuffer(reader.view(desc), np.uint8)
+    assert view.nbytes == MB and (view == 9).all()
+    del view
+    _release_all(pool, reader)  # the peer let go; our own views still hold the slot
+    assert pool.lend(4 * MB) is None  # 2 + 4 MiB: over half the 8 MiB pool
+    segments = pool.stats["segments"]
+    del body, room
+    gc.collect()
+    again = pool.lend(2 * MB)  # the same warm slot, lent again
+    assert again is not None and pool.stats["segments"] == segments
+    del again
+
+
+def test_lending_never_waits_and_leaves_half_the_pool_to_sending(pool):
+    held = pool.place(np.ones(5 * MB, np.uint8), [1], timeout=1)  # a receiver holds 5 of 8 MiB
+    t0 = time.monotonic()
+    assert pool.lend(3 * MB + 1) is None  # no room now: None at once (the link uses its own)
+    assert time.monotonic() - t0 < 0.1
+    assert pool.release(1, held[0], held[2])
+    lent = [pool.lend(2 * MB), pool.lend(2 * MB)]
+    assert all(r is not None for r in lent) and pool.lend(MB) is None  # half is lendable
+    pool.place(np.ones(3 * MB, np.uint8), [1], timeout=0.5)  # the other half still sends
+    del lent
+
+
+def test_a_lent_view_outlives_the_closed_pool(pool):
+    room = pool.lend(MB)
+    room[:4] = b"kept"
+    pool.close()  # the queue stopped while the user still holds its message
+    assert bytes(room[:4]) == b"kept"  # still mapped: no crash, same bytes
+    assert pool.lend(MB) is None
+
+
 def test_bad_pool_options_are_config_errors():
     with pytest.raises(mq.ConfigError, match="shm_pool_bytes"):
         mq.create("nng", 0, shm_pool_bytes=-1)

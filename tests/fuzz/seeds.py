@@ -116,14 +116,15 @@ def unix_datagrams(frame: bytes) -> list[bytes]:
     return [wire[:size]] + [b"\x01" + wire[i:i + size - 1] for i in range(size, len(wire), size - 1)]
 
 
-def tcp_records(frame: bytes) -> list[bytes]:
-    """``frame`` as the tcp link sends it, with the fuzzing piece size."""
+def tcp_records(frame: bytes, flags: int = 0) -> list[bytes]:
+    """``frame`` as the tcp link sends it, with the fuzzing piece size (``flags`` on BEGIN)."""
     size = targets.TCP_PIECE
-    head = struct.Struct("<BxxxIQ")
+    head = struct.Struct("<BBxxIQ")
     out = []
     for i in range(0, len(frame), size):
         piece = frame[i:i + size]
-        out.append(head.pack(tcplink.MORE if i else tcplink.BEGIN, len(piece), 0 if i else len(frame)) + piece)
+        out.append(head.pack(tcplink.MORE if i else tcplink.BEGIN, 0 if i else flags, len(piece),
+                             0 if i else len(frame)) + piece)
     return out
 
 
@@ -135,6 +136,7 @@ def link_seeds(frames: dict[str, bytes]) -> dict[str, dict[str, bytes]]:
             unix[f"{name}-{mode}"] = chunked(mode, unix_datagrams(frame))
             tcp[f"{name}-{mode}"] = chunked(mode, [b"".join(tcp_records(frame))])
         tcp[f"{name}-3"] = chunked(3, [b"".join(tcp_records(frame))])  # large ones announced, followed
+        tcp[f"{name}-7"] = chunked(7, [b"".join(tcp_records(frame, tcplink.SHARED))])  # and lent
     hello = frames["hello"]
     unix["aborted-then-hello-1"] = chunked(1, unix_datagrams(hello)[:3] + [b"\x02"] + unix_datagrams(hello))
     tcp["aborted-then-hello-1"] = chunked(1, [*tcp_records(hello)[:3], struct.pack("<BxxxIQ", tcplink.ABORT, 0, 0),

@@ -12,7 +12,8 @@ per process (:func:`close` unmaps it). Input formats:
   frames back to back, as :func:`mq.codec.split_batch` reads NNG messages).
 - ``unixlink``, ``tcplink``: a mode byte (bit 0: the link already authenticated, where the
   link reader distinguishes; bit 1, tcp: large frames announced and followed, as a relay
-  does), then chunks, each a length byte and that many bytes: one
+  does; bit 2, tcp: frames flagged SHARED land in the shm pool, as a relay lends them), then
+  chunks, each a length byte and that many bytes: one
   datagram each (unix), or one write each (tcp), read after every chunk.
 - ``shm``: a msgpack value, the shared-memory descriptor a frame's header would carry.
 - ``cuda``: a msgpack value: a CUDA descriptor as a frame's header would carry it, or (a map)
@@ -153,7 +154,8 @@ def unixlink_target(data: bytes) -> None:
 
 def tcplink_target(data: bytes) -> None:
     """:meth:`mq.backends.links.tcp.Inbound.read` over a stream pair, a write per chunk."""
-    with _patched(tcplink, "PIECE", TCP_PIECE), _patched(tcplink, "BEGUN_MIN", 2 * TCP_PIECE):
+    with _patched(tcplink, "PIECE", TCP_PIECE), _patched(tcplink, "BEGUN_MIN", 2 * TCP_PIECE), \
+            _patched(tcplink.warm, "MIN_SIZE", 2 * TCP_PIECE):
         _feed_link(tcplink.Inbound, socket.SOCK_STREAM, data)
 
 
@@ -169,6 +171,7 @@ def _feed_link(inbound: type, kind: int, data: bytes) -> None:
         link = _make_inbound(inbound, ours, trusted=bool(data[0] & 1))
         if hasattr(link, "announce"):  # tcp: large frames announced, some followed (cut-through)
             link.announce = bool(data[0] & 2)
+            link.lend = shm_peer().pool.lend if data[0] & 4 else None
         for chunk in _chunks(data[1:]):
             theirs.send(chunk)
             if not _drain(link):

@@ -1,7 +1,8 @@
 """A fan-out subscriber for tests: `python -m tests.jobs.fanout_peer NODE_ID LISTEN MODE ATTACH...`.
 
 It subscribes to "w" and reports every message to node 0 on topic "got": [sender, kind, value]
-(kind "array": value is [nbytes, checksum]; else the payload itself). Modes: ``ok``; ``stall``
+(kind "array": a read-only numpy array, value [nbytes, checksum]; "writable array": the same,
+writable; else the payload itself). Modes: ``ok``; ``stall``
 (a one-message queue it never reads: its senders block once the first message is in).
 """
 
@@ -28,7 +29,8 @@ def main() -> None:
         if mode != "stall":
             def report(m: mq.Message) -> None:
                 if isinstance(m.payload, np.ndarray):
-                    value = ["array", [int(m.payload.nbytes), int(m.payload[::4099].sum())]]
+                    kind = "array" if not m.payload.flags.writeable else "writable array"
+                    value = [kind, [int(m.payload.nbytes), int(m.payload[::4099].sum())]]
                 else:
                     value = ["other", m.payload]
                 q.send(0, "got", [m.sender] + value, timeout=20)
@@ -37,6 +39,7 @@ def main() -> None:
         else:
             q.subscribe("w")
         q.on("relay_stats", lambda _: q.stats().relay)  # what this node relayed, and how
+        q.on("shm_stats", lambda _: q.stats().shm)  # and what its pool copied
         q.wait_for_peers(int(os.environ.get("MQ_TEST_PEERS", "1")), timeout=30)
         print("ready", flush=True)
         time.sleep(600)  # the test stops or SIGKILLs us

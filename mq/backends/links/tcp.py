@@ -9,9 +9,12 @@ this node's link address, an ephemeral port on the same interface. A peer that c
 (a firewall that lets only the advertised port in) falls back to NNG's tcp, with a warning.
 
 Wire: TCP is a byte stream, so frames go as records, each a 16-byte head
-``<tag u8, 3 zero bytes, length u32, frame size u64>`` (little-endian) and ``length`` bytes:
-``BEGIN`` (1) starts a frame of ``frame size`` bytes with its first piece, ``MORE`` (2) carries
-the next piece, ``ABORT`` (3, no bytes) drops the frame begun. A piece is at most :data:`PIECE`
+``<tag u8, flags u8, 2 zero bytes, length u32, frame size u64>`` (little-endian) and ``length``
+bytes: ``BEGIN`` (1) starts a frame of ``frame size`` bytes with its first piece, ``MORE`` (2)
+carries the next piece, ``ABORT`` (3, no bytes) drops the frame begun. ``flags`` is 0 but on a
+BEGIN whose frame the receiver passes on to its own host (:data:`SHARED`, a relayed publish):
+that frame lands in the receiver's shm pool when it has room (``lend``), so its same-host
+subscribers get it by handle, not by a copy. A piece is at most :data:`PIECE`
 bytes. A send that times out half-way through a piece owes the peer the rest of it: the link
 sends that rest and an ABORT (now if it can, else before its next frame), so the receiver never
 delivers part of a frame and the stream never loses its framing.
@@ -32,7 +35,7 @@ from typing import Any, Callable
 
 from mq.backends.links import warm
 from mq.backends.links.base import Receiver, Sender, listener
-from mq.codec import Frame, empty_buffer
+from mq.codec import RELAY, Frame, empty_buffer
 from mq.cut_through import Arrival, header_end
 from mq.errors import MQError, ProtocolError, Timeout
 
@@ -43,9 +46,10 @@ from mq.errors import MQError, ProtocolError, Timeout
 PIECE = 256 << 10
 COPY_MAX = 64 << 10  # frames up to this size are copied into one record; larger ones gathered
 BEGUN_MIN = 4 * PIECE  # frames from this size are announced when their header is in (cut-through)
-_HEAD = struct.Struct("<BxxxIQ")  # tag, piece length, frame size (BEGIN only)
+_HEAD = struct.Struct("<BBxxIQ")  # tag, flags (BEGIN only), piece length, frame size (BEGIN only)
 BEGIN, MORE, ABORT = 1, 2, 3
-_ABORT_RECORD = _HEAD.pack(ABORT, 0, 0)
+SHARED = 1  # BEGIN's flag: a frame this link's receiver passes on to same-host peers (RELAY)
+_ABORT_RECORD = _HEAD.pack(ABORT, 0, 0, 0)
 _serial = itertools.count(1)
 
 
@@ -78,11 +82,12 @@ class Begun:
 class Inbound(Receiver):
     """One accepted connection: reads its records, a frame's pieces straight into the frame."""
 
-    __slots__ = ("announce", "_head", "_head_got", "_buf", "_filled", "_piece_end", "_begun_at", "_arrival")
+    __slots__ = ("announce", "lend", "_head", "_head_got", "_buf", "_filled", "_piece_end", "_begun_at", "_arrival")
 
     def __init__(self, sock: socket.socket, max_frame: int, trusts: Callable[[Any], bool]):
         super().__init__(sock, max_frame, trusts, "tcp", next(_serial))
         self.announce = False  # read() gives a Begun for large frames (their reader follows them)
+        self.lend: Callable[[int], Any] | None = None  # room for a SHARED frame (the shm pool's)
         self._head = bytearray(_HEAD.size)
         self._head_got = 0
         self._buf: Any = None  # the frame being filled, how much of it came, and
@@ -149,9 +154,11 @@ class Inbound(Receiver):
             self._arrival.abort(why)
             self._arrival = None
 
-    def _record(self, tag: int, length: int, size: int) -> None:
+    def _record(self, tag: int, flags: int, length: int, size: int) -> None:
         """Act on a record's head: start a frame, a piece, or drop the frame begun."""
         buf = self._buf
+        if flags and (tag != BEGIN or flags != SHARED):
+            raise ProtocolError(f"a record with tag {tag} and flags {flags}")
         if tag == BEGIN:
             if buf is not None:
                 raise ProtocolError("a frame begins inside another")
@@ -159,9 +166,11 @@ class Inbound(Receiver):
             if not 0 < length <= min(size, PIECE):
                 raise ProtocolError(f"frame of {size} bytes begins with a {length}-byte piece")
             try:
-                # A large frame lands in a warm slab (no page faults while it arrives), else in
-                # a fresh buffer, not zeroed: the frame fills it.
-                self._buf = warm.shared().take(size) or empty_buffer(size)
+                # A large frame lands in the shm pool (SHARED, when it has room) or a warm slab
+                # (no page faults while it arrives), else in a fresh buffer, not zeroed: the
+                # frame fills it.
+                lend = self.lend if flags and size >= warm.MIN_SIZE else None
+                self._buf = (lend and lend(size)) or warm.shared().take(size) or empty_buffer(size)
             except MemoryError:  # e.g. many links each claiming a huge frame
                 raise ProtocolError(f"no memory for a frame of {size} bytes") from None
             self._filled, self._piece_end = 0, length
@@ -203,10 +212,10 @@ class Outbound(Sender):
         buf = records = None
         if size <= COPY_MAX:  # small: one copy, one record, usually one syscall
             buf = bytearray(_HEAD.size + size)
-            _HEAD.pack_into(buf, 0, BEGIN, size, size)
+            _HEAD.pack_into(buf, 0, BEGIN, 0, size, size)
             frame.write_into(memoryview(buf)[_HEAD.size:])
         else:  # large: the frame's own buffers, gathered by the kernel (no copy, no page faults)
-            records = _records(frame.parts(), size)
+            records = _records(frame.parts(), size, SHARED if frame.kind == RELAY else 0)
         self._hold(peer, timeout)
         try:
             if self._owed or self._abort_due:
@@ -298,8 +307,9 @@ class Outbound(Sender):
                 poller = self._wait_writable(peer, deadline, poller)
 
 
-def _records(parts: list[memoryview], size: int) -> list[list[Any]]:
-    """A frame's parts cut into records of at most :data:`PIECE` bytes, each led by its head."""
+def _records(parts: list[memoryview], size: int, flags: int = 0) -> list[list[Any]]:
+    """A frame's parts cut into records of at most :data:`PIECE` bytes, each led by its head
+    (``flags`` on the first)."""
     pieces: list[list[memoryview]] = [[]]
     room = PIECE
     for part in parts:
@@ -310,5 +320,5 @@ def _records(parts: list[memoryview], size: int) -> list[list[Any]]:
             pieces[-1].append(part[:room])
             taken = min(room, len(part))
             part, room = part[taken:], room - taken
-    return [[_HEAD.pack(MORE if i else BEGIN, sum(len(v) for v in piece), 0 if i else size), *piece]
-            for i, piece in enumerate(pieces)]
+    return [[_HEAD.pack(MORE if i else BEGIN, 0 if i else flags, sum(len(v) for v in piece), 0 if i else size),
+             *piece] for i, piece in enumerate(pieces)]

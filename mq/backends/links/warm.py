@@ -20,7 +20,7 @@ from typing import Any
 
 from cffi import FFI
 
-from mq.shm import size_class
+from mq.shm import POPULATE, size_class
 
 _ffi = FFI()
 
@@ -29,7 +29,6 @@ MIN_SIZE = 1 << 20
 #: Slabs lent or idle at once, per process: min(2 GiB, an eighth of RAM) (two of a 640 MB frame:
 #: the next frame arrives while the receiver still holds the last).
 DEFAULT_MAX_BYTES = min(2 << 30, (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 8)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 capacity = size_class  # a request's slab size: the shm pool's size classes
@@ -88,7 +87,7 @@ class WarmBuffers:
             # Populated now, in one go (cheaper than a fault per page while a frame arrives).
             # Not madvised for huge pages: here that made the first frame 5x slower and the
             # others no faster.
-            slab = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+            slab = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | POPULATE)
         except OSError:
             return None
         self.mapped += cap

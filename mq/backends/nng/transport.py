@@ -438,6 +438,7 @@ class NngTransport(Transport):
             link = inbound(conn, self._node.max_frame_bytes, self._node.trusts)
             if inbound is tcplink.Inbound:
                 link.announce = True  # large frames to relay may go on while they arrive
+                link.lend = self._node.lend  # and land where same-host subscribers read them
             with self._net_lock:
                 if self._state != "listening" or len(self._inbound) >= _MAX_LINKS:
                     link.close()  # a flood of connections must not take every fd
