@@ -158,6 +158,27 @@ def test_relayed_publish_reaches_every_subscriber_once_with_the_publishers_id(cl
 
 
 @pytest.mark.netns
+@pytest.mark.parametrize("cluster", [{1: "hoard", 3: "hoard"}], indirect=True)
+def test_relays_that_keep_every_message_still_pass_each_on_whole(cluster):
+    """Relays 1 and 3 keep what they get, so the pool slots their links read frames into stay
+    lent: past half their pool (16 MiB of 32) the next frames land in the links' own buffers and
+    reach the neighbours by one copy each. Nothing waits, nothing is lost."""
+    q = cluster.q
+    q.set_relay(1 << 20, "chain")
+    xs = [np.full(6 << 20, i, dtype=np.uint8) for i in range(4)]
+    for x in xs:
+        assert q.publish("w", x, timeout=20) == [1, 2, 3, 4]
+    cluster.wait_got(range(1, 5), len(xs))
+    want = [[0, "array", [x.nbytes, int(x[::4099].sum())]] for x in xs]
+    for i in range(1, 5):
+        assert cluster.got[i] == want, (i, cluster.got[i])
+    for relay in (1, 3):
+        shm = q.call(relay, "shm_stats", timeout=10)
+        # 6 MiB frames take 6.5 MiB slots: two fit in half the pool, the other two are copied.
+        assert shm["lent"] == 2 and shm["by_handle"] == 2 and shm["copied_bytes"] == 2 * (6 << 20), (relay, shm)
+
+
+@pytest.mark.netns
 @pytest.mark.parametrize("cluster", [{2: "stall"}], indirect=True)
 def test_a_relay_killed_mid_forward_is_an_error_at_the_publisher_not_a_silent_loss(cluster):
     q = cluster.q

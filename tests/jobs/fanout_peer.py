@@ -3,7 +3,8 @@
 It subscribes to "w" and reports every message to node 0 on topic "got": [sender, kind, value]
 (kind "array": a read-only numpy array, value [nbytes, checksum]; "writable array": the same,
 writable; else the payload itself). Modes: ``ok``; ``stall``
-(a one-message queue it never reads: its senders block once the first message is in).
+(a one-message queue it never reads: its senders block once the first message is in);
+``hoard`` (keeps every message it gets, with a 32 MiB shm pool).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def main() -> None:
         import logging
 
         logging.basicConfig(level=os.environ["MQ_TEST_LOG"], format=f"[{node_id}] %(message)s")
-    options = {"queue_size": 1} if mode == "stall" else {}
+    options = {"stall": {"queue_size": 1}, "hoard": {"shm_pool_bytes": 32 << 20}}.get(mode, {})
+    kept = []
     q = mq.create("nng", node_id, "sub", listen_to=listen, attach_to=attach, timeout=20, **options)
     with q:
         if mode != "stall":
@@ -34,6 +36,8 @@ def main() -> None:
                 else:
                     value = ["other", m.payload]
                 q.send(0, "got", [m.sender] + value, timeout=20)
+                if mode == "hoard":
+                    kept.append(m.payload)
 
             q.subscribe("w", report)
         else:
