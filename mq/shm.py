@@ -106,6 +106,14 @@ def _capacity(nbytes: int) -> int:
     return size_class(max(nbytes, _MIN_SEGMENT))
 
 
+def view_until_garbage(addr: int, nbytes: int, on_garbage: Callable[[], None]) -> memoryview:
+    """A writable view of the ``nbytes`` at ``addr``; ``on_garbage()`` runs, in whichever thread
+    drops the last reference, once it and every view made of it are garbage. The memory must
+    stay mapped until then (``on_garbage``'s closure may hold what maps it)."""
+    ptr = _ffi.gc(_ffi.cast("char *", addr), lambda _p: on_garbage())
+    return memoryview(_ffi.buffer(ptr, nbytes))
+
+
 def _address(buf: Any) -> tuple[int, int]:
     """(address, nbytes) of a C-contiguous buffer (numpy array, bytes, memoryview, tensor)."""
     if isinstance(buf, np.ndarray):
@@ -297,7 +305,7 @@ class Pool:
         seg.write_header(_RETIRED)
         del self._segments[seg.seg_id]
         self._bytes -= seg.capacity
-        self._by_address = [e for e in self._by_address if e[2] is not seg]
+        self._forget_address(seg)
         try:
             seg.mm.close()
         except BufferError:  # a user view still exports it: the mapping goes with that view
@@ -360,20 +368,20 @@ class Pool:
         # `keep` exports the mapping while lent, so close() cannot unmap it under a view; the
         # last view's garbage collection (any thread) returns the slot through a queue, no lock.
         keep, back = memoryview(seg.mm), self._returned.put
-        ptr = _ffi.gc(_ffi.cast("char *", seg.base), lambda _p, seg=seg, keep=keep: back(seg))
-        return memoryview(_ffi.buffer(ptr, nbytes))
+        return view_until_garbage(seg.base, nbytes, lambda keep=keep: back(seg))
 
     def _collect_lent(self) -> None:
         """Take back the lent slots no view references any more. Called with the lock held."""
-        while True:
-            try:
-                seg = self._returned.get_nowait()
-            except queue.Empty:
-                return
+        while not self._returned.empty():
+            seg = self._returned.get_nowait()
             seg.lent = False
             self._lent_bytes -= seg.capacity
-            self._by_address = [e for e in self._by_address if e[2] is not seg]
+            self._forget_address(seg)
             self._cond.notify_all()
+
+    def _forget_address(self, seg: _Segment) -> None:
+        """``seg`` no longer holds a buffer that place() may send by handle."""
+        self._by_address = [e for e in self._by_address if e[2] is not seg]
 
     # ------------------------------------------------------------------ by handle
     def alloc(self, shape: Any, dtype: Any, timeout: float = 0.0) -> Any:

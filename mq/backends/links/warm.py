@@ -16,11 +16,10 @@ import mmap
 import os
 import queue
 import threading
-from typing import Any
 
 from cffi import FFI
 
-from mq.shm import POPULATE, size_class
+from mq.shm import POPULATE, size_class, view_until_garbage
 
 _ffi = FFI()
 
@@ -67,8 +66,7 @@ class WarmBuffers:
             self.stats["lent"] += 1
         addr = int(_ffi.cast("uintptr_t", _ffi.from_buffer(slab)))
         back = self._back.put
-        ptr = _ffi.gc(_ffi.cast("char *", addr), lambda _p, cap=cap, slab=slab: back((cap, slab)))
-        return memoryview(_ffi.buffer(ptr, size))
+        return view_until_garbage(addr, size, lambda: back((cap, slab)))
 
     def _collect(self) -> None:
         while True:
