@@ -22,6 +22,7 @@ from mq.errors import (
     RemoteError,
     StreamError,
     Timeout,
+    Undelivered,
 )
 from mq.launch import Context, LaunchError, launch
 from mq.registry import MQ_TYPES, create
@@ -50,6 +51,7 @@ __all__ = [
     "Stream",
     "StreamError",
     "Timeout",
+    "Undelivered",
     "Version",
     "create",
     "launch",

@@ -105,10 +105,38 @@ def check_answer_before_goodbye(group: Group) -> None:
     assert group.run(_answer_before_goodbye)[0] == 42
 
 
+def check_stop_waits_for_a_slow_receiver(group: Group) -> None:
+    """A sender that stops while its receiver is slow (shorter than stop's bound) loses
+    nothing: every accepted message arrives, in order, and stop() returns without error."""
+    res = group.run(_stop_slow_receiver, mq_options=STOP_QUEUES, deadline_s=90)
+    sender, receiver = res[1], res[0]
+    assert sender["undelivered"] is None and sender["accepted"] == STOP_N, sender
+    assert receiver["got"] == list(range(STOP_N)), receiver
+    assert receiver["dropped"] == {}, receiver
+
+
+def check_stop_names_what_it_could_not_deliver(group: Group) -> None:
+    """A receiver slower than send's and stop's bounds: send() times out once the receiver's
+    queue and the frames in flight are full (backpressure: nothing piles up), and stop() raises
+    Undelivered naming the peer and how many accepted messages it never confirmed; the receiver
+    got the others, in order, and counts (never silently) what reached it after the sender left."""
+    res = group.run(_stop_past_bound, mq_options=STOP_QUEUES, deadline_s=90)
+    sender, receiver = res[1], res[0]
+    assert sender["undelivered"] is not None, "stop() returned although the receiver never confirmed"
+    missing, accepted = sender["undelivered"].get(0, 0), sender["accepted"]
+    assert 0 < missing <= accepted, sender
+    assert "node 0" in sender["message"], sender
+    got = receiver["got"]
+    assert got == list(range(len(got))), got  # in order, nothing twice
+    assert len(got) >= accepted - missing, (len(got), sender)  # what was confirmed arrived
+    assert len(got) + sum(receiver["dropped"].values()) >= accepted, receiver  # the rest is counted
+
+
 CHECKS: tuple[Callable[[Group], None], ...] = (
     check_send_recv, check_empty_buffers, check_publish_filtering, check_recv_timeout, check_call,
     check_peers_and_routes, check_ordering, check_backpressure, check_handler_order,
-    check_peer_stopped, check_answer_before_goodbye)
+    check_peer_stopped, check_answer_before_goodbye, check_stop_waits_for_a_slow_receiver,
+    check_stop_names_what_it_could_not_deliver)
 
 
 def check_all(group: Group, route: str | None = None) -> None:
@@ -324,6 +352,55 @@ def _answer_before_goodbye(ctx: mq.Context) -> Any:
     while 1 in q.peers() and time.monotonic() < deadline:
         time.sleep(0.02)
     return answer
+
+
+#: The shutdown scenario: small receive queues, and a stream of small and large messages.
+STOP_QUEUES = {"queue_size": 8, "queue_bytes": 1 << 20}
+STOP_N = 62
+
+
+def _stop_stream() -> list[Any]:
+    small = list(range(30))
+    return [*small, b"x" * 2_000_000, np.ones(10_000_000 // 8), *small]
+
+
+def _stop_sender_then_stop(q: mq.MQ, stop_timeout: float, send_timeout: float) -> dict[str, Any]:
+    accepted = 0
+    for i, payload in enumerate(_stop_stream()):
+        try:
+            q.send(0, "last", (i, payload), timeout=send_timeout)
+        except mq.Timeout:  # backpressure: the receiver's queue and the window are full
+            break
+        accepted += 1
+    out: dict[str, Any] = {"accepted": accepted, "undelivered": None}
+    try:
+        q.stop(timeout=stop_timeout)
+    except mq.Undelivered as exc:
+        out.update(undelivered=dict(exc.counts), message=str(exc))
+    return out
+
+
+def _stop_receiver(q: mq.MQ, stall: float) -> dict[str, Any]:
+    time.sleep(stall)  # the slow receiver: reads nothing meanwhile
+    got = []
+    while True:
+        try:
+            got.append(q.recv(timeout=3).payload[0])
+        except mq.Timeout:
+            break
+    return {"got": got, "dropped": dict(q.stats().dropped)}
+
+
+def _stop_slow_receiver(ctx: mq.Context) -> Any:
+    if ctx.node_id == 1:
+        return _stop_sender_then_stop(ctx.mq, stop_timeout=20, send_timeout=30)
+    return _stop_receiver(ctx.mq, stall=3)
+
+
+def _stop_past_bound(ctx: mq.Context) -> Any:
+    if ctx.node_id == 1:
+        return _stop_sender_then_stop(ctx.mq, stop_timeout=1, send_timeout=0.5)
+    return _stop_receiver(ctx.mq, stall=5)
 
 
 def _drain(q: mq.MQ, expect: int, timeout: float = 20.0) -> list[mq.Message]:

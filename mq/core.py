@@ -41,7 +41,7 @@ from mq.calls import Calls, remote_error
 from mq.codec import MSG, REP_OK, REQ, SUBS, Codec
 from mq.delivery import Delivery
 from mq.dispatch import Dispatch
-from mq.errors import ClosedError, ConfigError, MQError, Timeout
+from mq.errors import ClosedError, ConfigError, MQError, Timeout, Undelivered
 from mq.join import Join
 from mq.lifecycle import STOPPED, Lifecycle
 from mq.liveness import Liveness
@@ -141,7 +141,8 @@ class MQ:
         self._delivery = delivery = Delivery(node_id, transport, life, metrics, calls.handler_slots,
                                              liveness.stalled, queue_size=queue_size, queue_bytes=queue_bytes)
         hello = {"labels": sorted(self.labels), "locality": self.locality.to_dict(),
-                 "incarnation": self.incarnation, "mq_type": self.mq_type, "max_frame_bytes": max_frame_bytes}
+                 "incarnation": self.incarnation, "mq_type": self.mq_type, "max_frame_bytes": max_frame_bytes,
+                 "window": queue_size}
         self._join = join = Join(node_id, hello, self.locality, delivery.topics, transport, sender, peers,
                                  refusals, life, secret=self.secret, timeout=self.timeout)
         self._fanout = fanout = _fanout.Fanout(
@@ -149,7 +150,8 @@ class MQ:
             stalled=liveness.stalled, min_bytes=relay_min_bytes, shape=relay_shape,
             keeps_tensors=transport.keeps_tensors, timeout=self.timeout, streams_to=transport.streams_to)
         self._dispatch = Dispatch(node_id, self.codec, peers, join, delivery, calls, liveness, sender, fanout,
-                                  life, stats, refusals, max_frame_bytes=max_frame_bytes, secret=self.secret)
+                                  life, stats, refusals, max_frame_bytes=max_frame_bytes, secret=self.secret,
+                                  window=queue_size)
         for hook in (sender.forget, calls.peer_lost, sender.disconnect):  # in this order
             peers.on_lost(hook)
         # The send path, bound once (see scripts/hotpath).
@@ -177,21 +179,29 @@ class MQ:
                                           name=f"mq{self.node_id}-heartbeat")
             self._beat.start()
         except BaseException:
-            self.stop(timeout=2.0)
+            self.stop(timeout=2.0, raise_undelivered=False)
             raise
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Leave the job: tell peers, close the transport. Returns within ``timeout`` seconds
-        (plus a little), even when peers died."""
+    def stop(self, timeout: float = 5.0, *, raise_undelivered: bool = True) -> Undelivered | None:
+        """Leave the job: wait (up to ``timeout`` seconds) until every peer confirmed what was
+        sent to it, tell peers, close the transport. Returns within ``timeout`` seconds (plus
+        a little), even when peers died.
+
+        Raises:
+            Undelivered: live peers did not confirm every message sent to them in time (their
+                receivers were slower than ``timeout``); it names each peer and how many. With
+                ``raise_undelivered=False`` it is logged and returned instead.
+        """
         timeout = _seconds(timeout, "timeout")
         if self._life.state != "listening":
             self._life.state = "stopped"
-            return
+            return None
         deadline = time.monotonic() + timeout
         self._calls.finish(deadline)  # still listening: their answers may still be sent
         self._life.state = "stopping"
-        self._liveness.farewell(deadline)
+        # Most of the time is the receivers' to confirm; the rest closes the links.
+        unconfirmed = self._liveness.farewell(deadline - min(0.5, timeout / 5))
         try:
             self.transport.close(max(0.1, deadline - time.monotonic()))
         except Exception:  # never let a broken transport keep the node alive
@@ -201,12 +211,20 @@ class MQ:
         self._calls.close()
         self._peers.wake()
         self._delivery.join(max(0.0, deadline - time.monotonic()))
+        if not unconfirmed:
+            return None
+        error = Undelivered(unconfirmed, timeout)
+        if raise_undelivered:
+            raise error
+        log.warning("node %d: %s", self.node_id, error)
+        return error
 
     def __enter__(self) -> "MQ":
         return self.listen()
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        # An exception on its way out is the news; what stop() could not deliver is logged.
+        self.stop(raise_undelivered=exc_type is None)
 
     @property
     def running(self) -> bool:

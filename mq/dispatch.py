@@ -54,12 +54,15 @@ class Dispatch:
         max_frame_bytes: larger incoming frames are dropped (the transport checks).
         secret: the job's :class:`mq.auth.Secret` (None when insecure): the transport signs its
             rendezvous values with it.
+        window: the frames in flight peers may send us unconfirmed (our queue size, said in our
+            HELLO): we confirm every quarter of it.
     """
 
     def __init__(self, node_id: int, codec: Codec, peers: PeerTable, join: Join, delivery: Delivery,
                  calls: Calls, liveness: Liveness, sender: Sender, fanout: Fanout, life: Lifecycle,
-                 stats: Stats, refusals: Refusals, *, max_frame_bytes: int, secret: Any):
+                 stats: Stats, refusals: Refusals, *, max_frame_bytes: int, secret: Any, window: int):
         self.node_id = node_id
+        self._receipt_every = max(1, window // 4)  # a quarter of the window peers keep to us
         self.max_frame_bytes = max_frame_bytes
         self.secret = secret
         # Bound once: on_frame runs per message (see scripts/hotpath).
@@ -111,14 +114,17 @@ class Dispatch:
                 # of what was in flight is dropped quietly, as the sender was told (PeerLost).
                 if env.kind in (REP_OK, REP_ERR):
                     self._calls.on_reply(env)
-                else:
-                    log.debug("node %d: dropped a %s from node %d, which left", self.node_id,
-                              KIND_NAMES[env.kind], env.sender)
+                elif env.kind in COUNTED:  # counted: its sender learnt it (PeerLost, Undelivered)
+                    self._refusals.discarded("peer_left", f"a {KIND_NAMES[env.kind]} frame from node "
+                                             f"{env.sender}, which {p.lost}")
             else:
                 self._stats.received += 1
                 p.last_seen = time.monotonic()
                 if env.kind in COUNTED:
                     p.rx += 1
+                    if p.rx - p.rx_told >= self._receipt_every and not p.receipt_due:
+                        p.receipt_due = True  # its window is closing: confirm what we took
+                        self._liveness.receipt_due()
                 if env.kind == MSG:  # the queue's byte bound counts inline bytes (the pool bounds shared ones)
                     self._deliver(env.topic, env.payload, env.sender, env.sent_at, env.nbytes,
                                   sum(buffer_nbytes(b) for b in buffers) if shared else env.nbytes)

@@ -56,6 +56,26 @@ class ClosedError(MQError):
     """The queue was stopped by this process."""
 
 
+class Undelivered(MQError):
+    """``stop()`` ran out of time before peers confirmed every frame this node sent them.
+
+    Attributes:
+        counts: ``{peer node id: frames sent to it that it never confirmed}``. Those frames
+            may or may not have arrived; the others did.
+    """
+
+    def __init__(self, counts: dict[int, int], waited: float):
+        self.counts = dict(counts)
+        self.waited = waited
+        names = ", ".join(f"node {p}: {n}" for p, n in sorted(self.counts.items()))
+        super().__init__(f"stop() waited {waited:g}s and {sum(self.counts.values())} frame(s) were never "
+                         f"confirmed ({names}); they may be lost. Give the receivers time to read "
+                         "(stop(timeout=...)), or q.flush(peer) before stopping")
+
+    def __reduce__(self):  # keep picklable for multiprocessing result passing
+        return (Undelivered, (self.counts, self.waited))
+
+
 class StreamError(MQError):
     """A :class:`mq.Stream` did not deliver exactly what its senders sent: a count differs, a
     sender left without closing or restarted as a new process. ``report`` holds the details."""
@@ -96,4 +116,5 @@ __all__ = [
     "RemoteError",
     "StreamError",
     "Timeout",
+    "Undelivered",
 ]

@@ -63,6 +63,8 @@ class Greeting(msgspec.Struct, forbid_unknown_fields=True):
     mq_type: _Short
     max_frame_bytes: Annotated[int, msgspec.Meta(ge=1)]
     shm: dict[str, Any] | None  # checked by mq.shm.PoolReader
+    # frames a sender may have in flight to this node unconfirmed (its receive queue's size)
+    window: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)] | None = None
     proof: _Bytes | None = None
     read_ok: bool | None = None
     error: Annotated[str, msgspec.Meta(max_length=1024)] | None = None

@@ -91,6 +91,7 @@ class Join:
             "nonce": nonce,
             "mq_type": me["mq_type"],
             "max_frame_bytes": me["max_frame_bytes"],
+            "window": me["window"],
             "shm": pool.probe_info() if pool is not None else None,
         }
 
@@ -326,11 +327,12 @@ class Join:
         if route.kind != "shm" and reader is not None:
             reader.close()
             reader = None
-        limit = info.get("max_frame_bytes")
+        limit, window = info.get("max_frame_bytes"), info.get("window")
         return Peer(peer_id, frozenset(str(x) for x in info.get("labels") or ()),
                     frozenset(str(x) for x in info.get("subscriptions") or ()), route,
                     info=info, reader=reader,
-                    max_frame_bytes=limit if type(limit) is int and limit > 0 else None)
+                    max_frame_bytes=limit if type(limit) is int and limit > 0 else None,
+                    window=window if type(window) is int and window > 0 else DEFAULT_WINDOW)
 
     def _open_reader(self, peer_id: int, info: dict[str, Any],
                      same_process: bool) -> tuple[_shm.PoolReader | None, str | None]:

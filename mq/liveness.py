@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -46,6 +47,7 @@ class Liveness:
         self.heartbeat = heartbeat
         self.peer_timeout = peer_timeout
         self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
+        self._receipts_due = threading.Event()  # wakes the heartbeat thread to send receipts
 
     def stalled(self) -> None:
         """Our reader is blocked (a full queue): frames wait unread, so silence proves nothing."""
@@ -61,12 +63,19 @@ class Liveness:
     def on_receipt(self, peer_id: int, payload: Any) -> None:
         self._peers.receipt(peer_id, payload.get("rx") if isinstance(payload, dict) else None)
 
+    def receipt_due(self) -> None:
+        """A peer's window to us is a quarter used since our last receipt (dispatch): send it
+        one now, from the heartbeat thread (an I/O thread must not wait on a link)."""
+        self._receipts_due.set()
+
     def on_bye(self, env: Envelope) -> None:
-        """The peer leaves: take its receipt, answer (it waits for that before closing its
-        links), and it is lost."""
+        """The peer leaves: take its receipt, answer with ours (it waits for that before
+        closing its links: links are FIFO, so the answer confirms every frame it sent before),
+        and it is lost."""
         self.on_receipt(env.sender, env.payload)
+        p = self._peers.get(env.sender)
         try:
-            self._sender.send_control(env.sender, REP_OK, None, 1.0, env.corr)
+            self._sender.send_control(env.sender, REP_OK, {"rx": p.rx if p is not None else 0}, 1.0, env.corr)
         except Exception as exc:
             log.debug("node %d: could not answer the farewell of node %d: %s", self.node_id, env.sender, exc)
         self._peers.lose(env.sender, "stopped (it called stop())")
@@ -76,9 +85,12 @@ class Liveness:
         p = self._peers.get(peer_id)
         if p is None or p.lost:
             return
+        rx = p.rx
+        p.receipt_due = False
         try:
-            self._sender.send_control(peer_id, PING, {"rx": p.rx, "want": want}, timeout)
+            self._sender.send_control(peer_id, PING, {"rx": rx, "want": want}, timeout)
             p.last_sent = time.monotonic()
+            p.rx_told = rx
         except MQError as exc:  # a full link: the data itself shows we are alive
             log.debug("node %d: heartbeat to node %d: %s", self.node_id, peer_id, exc)
 
@@ -97,25 +109,36 @@ class Liveness:
         self._peers.wait(done, timeout, lambda: f"node {peer} confirmed {p.acked} of {target} frames "
                                                 f"within {timeout:g}s")
 
-    def farewell(self, deadline: float) -> None:
-        """Tell every live peer we leave and wait for its answer: links are FIFO, so an answer
-        means everything sent before it was received, and closing loses nothing."""
+    def farewell(self, deadline: float) -> dict[int, int]:
+        """Tell every live peer we leave (BYE, with our receipt) and wait until ``deadline``
+        for its answer: links are FIFO, so an answer means it took every frame we sent before,
+        and closing loses nothing. Returns ``{peer: frames it never confirmed}`` for the peers
+        that did not answer in time (their frames may be lost: the caller says so)."""
+        live = self._peers.live()
+        answered: set[int] = set()
         with contextlib.ExitStack() as calls:
-            waiting = []
-            for peer in self._peers.live():
+            waiting = {}
+            for peer in live:
                 corr = self._calls.new_corr()
                 fut = calls.enter_context(self._calls.pending(peer, corr))
                 try:
                     self._sender.send_control(peer, BYE, {"rx": self._peers.by_id[peer].rx},
                                               max(0.0, min(1.0, deadline - time.monotonic())), corr)
-                    waiting.append(fut)
-                except Exception as exc:  # a dead peer must not delay our stop
+                    waiting[peer] = fut
+                except Exception as exc:  # a dead (or full) peer must not delay our stop
                     log.debug("node %d: no farewell to node %d: %s", self.node_id, peer, exc)
-            for fut in waiting:
+            for peer, fut in waiting.items():
                 try:
-                    fut.result(timeout=max(0.0, deadline - time.monotonic() - 0.5))
+                    self.on_receipt(peer, fut.result(timeout=max(0.0, deadline - time.monotonic())))
+                    answered.add(peer)
                 except Exception:
                     pass
+        unconfirmed = {}
+        for peer in live:
+            p = self._peers.by_id[peer]
+            if peer not in answered and p.tx > p.acked:
+                unconfirmed[peer] = p.tx - p.acked
+        return unconfirmed
 
     # ------------------------------------------------------------------ the heartbeat thread
     def run(self, housekeeping: Callable[[float], None]) -> None:
@@ -124,7 +147,11 @@ class Liveness:
         tick = min(self.heartbeat, 0.5)
         last = time.monotonic()
         while self._life.listening:
-            time.sleep(tick)
+            if self._receipts_due.wait(max(0.0, last + tick - time.monotonic())):
+                self._receipts_due.clear()
+                self._send_due_receipts()
+                if time.monotonic() < last + tick:
+                    continue
             now = time.monotonic()
             if now - last > tick + 1.0:
                 # We were not scheduled (a loaded machine, a long GIL hold): frames may be waiting
@@ -141,3 +168,8 @@ class Liveness:
                     self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
                                                 "crashed or the network between us is down)")
             housekeeping(now)
+
+    def _send_due_receipts(self) -> None:
+        for p in self._peers.list():
+            if p.receipt_due and not p.lost:
+                self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))

@@ -25,6 +25,9 @@ from mq.routing import Route
 
 log = logging.getLogger("mq")
 
+#: Frames in flight unconfirmed to a peer that did not say its window (its queue_size default).
+DEFAULT_WINDOW = 1024
+
 
 @dataclass
 class Peer:
@@ -43,6 +46,12 @@ class Peer:
     tx: int = 0  # counted frames sent to it
     rx: int = 0  # counted frames received from it
     acked: int = 0  # how many of ours it confirmed (receipts)
+    # Flow control: at most ``window`` of our counted frames in flight to it unconfirmed (its
+    # receive queue's size, from its HELLO); sends past that wait for its receipts, which it
+    # sends every quarter window (``rx_told``: the last receipt we sent it).
+    window: int = DEFAULT_WINDOW
+    rx_told: int = 0
+    receipt_due: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     last_sent: float = 0.0
 
@@ -168,6 +177,23 @@ class PeerTable:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Timeout(what())
+                self.changed.wait(min(left, 0.5))
+
+    def wait_in_flight(self, peer: Peer, deadline: float) -> None:
+        """Until fewer than ``peer.window`` of our counted frames are in flight to ``peer``
+        unconfirmed (flow control: its receipts open the window again). Raises PeerLost when
+        it is gone, Timeout at ``deadline`` (nothing was sent)."""
+        with self.changed:
+            while peer.tx - peer.acked >= peer.window:
+                if peer.lost:
+                    raise PeerLost(f"node {peer.node_id} {peer.lost}")
+                if self._life.state not in ("listening", "stopping"):
+                    raise ClosedError("the queue was stopped while a send waited")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(f"node {peer.node_id} did not confirm the last {peer.tx - peer.acked} "
+                                  "messages sent to it in time: it reads slowly (its receive queue, "
+                                  f"{peer.window} messages, is full) or is stuck; pass timeout= to wait longer")
                 self.changed.wait(min(left, 0.5))
 
     def wait_peer(self, peer: int, timeout: float, unanswered: Callable[[], str]) -> None:

@@ -197,6 +197,8 @@ class Sender:
         if (p is None or p.lost or self._life.state != "listening"
                 or (p.max_frame_bytes is not None and frame.nbytes > p.max_frame_bytes)):
             p = self.checked_peer(peer, frame)  # raises why (inline above: the hot path)
+        if p.tx - p.acked >= p.window and frame.kind in COUNTED:
+            self._peers.wait_in_flight(p, time.monotonic() + timeout)  # flow control (mq.peers.Peer)
         try:
             receipt = self._send(peer, frame, timeout)
         except (ClosedError, Timeout):

@@ -27,6 +27,9 @@ class Stats:
     dropped_malformed: int = 0
     dropped_oversized: int = 0
     dropped_unexpected_reply: int = 0
+    # frames a peer sent that were dropped after they arrived, by cause ("peer_left": it had
+    # left or was lost; "stopping": a call that reached this node after it said goodbye)
+    dropped: dict[str, int] = field(default_factory=dict)
     rejected: dict[str, int] = field(default_factory=dict)  # refused joins and frames, by cause
     shm: dict[str, int] = field(default_factory=dict)  # the pool's counters (placed, by_handle...)
     relay: dict[str, int] = field(default_factory=dict)  # fan-out (relayed, forwarded, acks...)
@@ -53,6 +56,11 @@ class Refusals:
         else:
             self.stats.dropped_malformed += 1
         self.log(cause, f"node {self.node_id}: dropped a {cause} frame: {why}")
+
+    def discarded(self, cause: str, why: str) -> None:
+        """A well-formed frame from a peer that nobody will get (see ``Stats.dropped``)."""
+        self.stats.dropped[cause] = self.stats.dropped.get(cause, 0) + 1
+        self.log(cause, f"node {self.node_id}: dropped {why}")
 
     def refused(self, exc: ProtocolError) -> None:
         """Count a frame the boundary refused (by cause) or the decoder found malformed."""

@@ -88,6 +88,14 @@ def test_a_call_whose_handler_runs_when_the_server_stops_gets_its_answer(backend
     conformance.check_answer_before_goodbye(backend.group)
 
 
+def test_stop_waits_until_a_slow_receiver_took_everything(backend):
+    conformance.check_stop_waits_for_a_slow_receiver(backend.group)
+
+
+def test_stop_names_what_a_receiver_slower_than_its_bound_never_confirmed(backend):
+    conformance.check_stop_names_what_it_could_not_deliver(backend.group)
+
+
 # ---------------------------------------------------------------------- out of tree
 class OutOfTree(Transport):
     """A transport named in no registry, as a user's package would define it: it moves frames
