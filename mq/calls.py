@@ -32,6 +32,8 @@ from mq.transport import Transport
 
 log = logging.getLogger("mq")
 
+LINK_GRACE_S = 1.0  # see Calls.link_lost
+
 
 class Calls:
     """The calls and call handlers of node ``node_id`` (see the module docstring).
@@ -55,6 +57,12 @@ class Calls:
         self._timeout = timeout
         self._threads = handler_threads
         self._calls: dict[int, tuple[int, Future]] = {}
+        # Stopping (see farewell): the calls we serve per peer (corr ids), the peers we said
+        # goodbye to (their later REQs are dropped: they failed those calls at our BYE), and
+        # per peer the calls it promised to answer in its own goodbye.
+        self._serving: dict[int, set[int]] = {}
+        self._farewelled: set[int] = set()
+        self._promised: dict[int, set[int]] = {}
         self._ids = itertools.count(1)
         self._servers: dict[str, Callable[[Any], Any]] = {}
         self._lock = threading.Lock()
@@ -146,7 +154,64 @@ class Calls:
                     pass
 
     def peer_lost(self, peer: Peer, why: str) -> None:
-        self.fail(lambda p: PeerLost(f"node {p} {why}") if p == peer.node_id else None)
+        """Fail the calls waiting on ``peer``, but those it promised to answer in its goodbye
+        (its answers follow the BYE; :meth:`link_lost` ends them if they never come)."""
+        with self._lock:
+            promised = self._promised.get(peer.node_id, set())
+            pending = [(corr, fut) for corr, (p, fut) in self._calls.items()
+                       if p == peer.node_id and corr not in promised]
+        for _corr, fut in pending:
+            try:
+                fut.set_exception(PeerLost(f"node {peer.node_id} {why}"))
+            except InvalidStateError:  # answered in the meantime
+                pass
+
+    def promised(self, peer: int, corrs: Any) -> None:
+        """``peer`` said goodbye and will still answer these calls of ours (they reached it
+        before it began to stop)."""
+        if isinstance(corrs, list):
+            with self._lock:
+                self._promised[peer] = {c for c in corrs if type(c) is int}
+
+    def link_lost(self, peer: int) -> None:
+        """The link to ``peer`` is gone for good: the answers it promised in its goodbye get a
+        moment's grace (they may still wait unread on the other link of the pair), then fail."""
+        with self._lock:
+            promised = self._promised.pop(peer, set())
+            pending = [fut for corr, (p, fut) in self._calls.items() if p == peer and corr in promised]
+        if pending:
+            timer = threading.Timer(LINK_GRACE_S, _fail_all, (pending, PeerLost(
+                f"node {peer} left before answering the call (its stop(timeout=...) ran out)")))
+            timer.daemon = True
+            timer.start()
+
+    # ------------------------------------------------------------------ stopping
+    def farewell(self, peer: int) -> list[int]:
+        """We say goodbye to ``peer`` now: the calls of its we serve (we answer them before
+        closing; it waits for those), and from now on its REQs are dropped (it fails them at
+        our BYE: their handlers never run)."""
+        with self._lock:
+            self._farewelled.add(peer)
+            return sorted(self._serving.get(peer, ()))
+
+    def _admit(self, env: Envelope) -> bool:
+        """Record a REQ we will serve, unless we said goodbye to its sender (then counted)."""
+        with self._lock:
+            if env.sender not in self._farewelled:
+                self._serving.setdefault(env.sender, set()).add(env.corr)
+                return True
+        self._refusals.discarded("stopping", f"call {env.topic!r} from node {env.sender}, which came "
+                                 "after this node said goodbye (the caller got PeerLost)")
+        return False
+
+    def _served(self, env: Envelope) -> None:
+        with self._lock:
+            self._serving.get(env.sender, set()).discard(env.corr)
+
+    def serving(self) -> int:
+        """Calls being served (queued or running): stop() lets them answer."""
+        with self._lock:
+            return sum(len(s) for s in self._serving.values())
 
     # ------------------------------------------------------------------ serving
     def serve(self, topic: str, fn: Callable[[Any], Any]) -> None:
@@ -166,11 +231,14 @@ class Calls:
         """Serve a REQ frame on the pool. Slots bound queued calls (released when served); a
         thread reading for itself must not ``wait`` for handlers, which may wait for it: its
         request queues past the bound (one per read at most)."""
+        if not self._admit(env):
+            return
         slot = self.handler_slots.acquire(blocking=wait)
         try:
             assert self._executor is not None
             self._executor.submit(self._serve, env, slot)
         except RuntimeError:  # pool shut down: we are stopping
+            self._served(env)
             if slot:
                 self.handler_slots.release()
 
@@ -180,21 +248,33 @@ class Calls:
         if not self._request_slots.acquire(blocking=False):
             return None
         try:
+            if not self._admit(env):
+                return None
             self._stats.received += 1
             peer.last_seen = time.monotonic()
-            return self._answer(env)
+            try:
+                return self._answer(env)
+            finally:
+                self._served(env)
         finally:
             self._request_slots.release()
 
     def finish(self, deadline: float) -> None:
-        """Before saying goodbye, let call handlers already running send their answers (for
-        at most half the time left): a caller whose handler ran gets its answer, not PeerLost."""
-        until = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
-        # (Semaphore counts read without their locks, as in has_room.)
-        while ((self._request_slots._value < self._threads
-                or self.handler_slots._value < self._threads * 4)
-               and time.monotonic() < until):
+        """After saying goodbye: let the calls we serve (they reached us before, and their
+        callers wait for them) send their answers, until ``deadline``; a caller whose handler
+        still runs then gets a REP_ERR saying so, not a silent PeerLost."""
+        while self.serving() and time.monotonic() < deadline:
             time.sleep(0.005)
+        with self._lock:
+            late = [(peer, corr) for peer, corrs in self._serving.items() for corr in corrs]
+        for peer, corr in late:
+            error = {"type": "mq.ClosedError", "message": f"node {self.node_id} stopped before its handler "
+                     "answered (its stop(timeout=...) ran out)", "traceback": ""}
+            try:
+                self._sender.deliver_to([peer], self._sender.encode(REP_ERR, "", error, corr),
+                                        time.monotonic() + 0.2)
+            except MQError:
+                pass
 
     def close(self) -> None:
         self.fail(lambda peer: ClosedError("the queue was stopped while the call was pending"))
@@ -226,8 +306,17 @@ class Calls:
             log.warning("node %d: could not answer call %r from node %d: %s",
                         self.node_id, env.topic, env.sender, exc)
         finally:
+            self._served(env)
             if slot:
                 self.handler_slots.release()
+
+
+def _fail_all(futures: list[Future], error: MQError) -> None:
+    for fut in futures:
+        try:
+            fut.set_exception(error)
+        except InvalidStateError:  # answered meanwhile
+            pass
 
 
 def remote_error(env: Envelope) -> RemoteError:

@@ -47,7 +47,7 @@ from mq.lifecycle import STOPPED, Lifecycle
 from mq.liveness import Liveness
 from mq.locality import Locality, local
 from mq.message import Message
-from mq.peers import PeerTable, domain
+from mq.peers import MIN_WINDOW, PeerTable, domain
 from mq.routing import Route
 from mq.sender import Sender
 from mq.stats import Refusals, Stats
@@ -142,7 +142,7 @@ class MQ:
                                              liveness.stalled, queue_size=queue_size, queue_bytes=queue_bytes)
         hello = {"labels": sorted(self.labels), "locality": self.locality.to_dict(),
                  "incarnation": self.incarnation, "mq_type": self.mq_type, "max_frame_bytes": max_frame_bytes,
-                 "window": queue_size}
+                 "window": max(queue_size, MIN_WINDOW)}
         self._join = join = Join(node_id, hello, self.locality, delivery.topics, transport, sender, peers,
                                  refusals, life, secret=self.secret, timeout=self.timeout)
         self._fanout = fanout = _fanout.Fanout(
@@ -151,7 +151,7 @@ class MQ:
             keeps_tensors=transport.keeps_tensors, timeout=self.timeout, streams_to=transport.streams_to)
         self._dispatch = Dispatch(node_id, self.codec, peers, join, delivery, calls, liveness, sender, fanout,
                                   life, stats, refusals, max_frame_bytes=max_frame_bytes, secret=self.secret,
-                                  window=queue_size)
+                                  window=max(queue_size, MIN_WINDOW))
         for hook in (sender.forget, calls.peer_lost, sender.disconnect):  # in this order
             peers.on_lost(hook)
         # The send path, bound once (see scripts/hotpath).
@@ -198,10 +198,11 @@ class MQ:
             self._life.state = "stopped"
             return None
         deadline = time.monotonic() + timeout
-        self._calls.finish(deadline)  # still listening: their answers may still be sent
-        self._life.state = "stopping"
+        self._life.state = "stopping"  # no new sends; answers to calls still go
         # Most of the time is the receivers' to confirm; the rest closes the links.
-        unconfirmed = self._liveness.farewell(deadline - min(0.5, timeout / 5))
+        until = deadline - min(0.5, timeout / 5)
+        unconfirmed = self._liveness.farewell(until)
+        self._calls.finish(until)  # calls that reached us before our goodbye are answered
         try:
             self.transport.close(max(0.1, deadline - time.monotonic()))
         except Exception:  # never let a broken transport keep the node alive

@@ -31,7 +31,7 @@ from mq.codec import (BYE, GPU_POOL, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PI
 from mq.cuda_ipc import TAG as CUDA_TAG
 from mq.cut_through import body_offset
 from mq.delivery import Delivery
-from mq.errors import ProtocolError
+from mq.errors import PeerLeft, ProtocolError
 from mq.fanout import Fanout
 from mq.join import Join
 from mq.lifecycle import Lifecycle
@@ -201,6 +201,7 @@ class Dispatch:
     def on_link_lost(self, peer: int, why: str) -> None:
         if self._life.listening:
             self._peers.lose(peer, why)
+            self._calls.link_lost(peer)  # a goodbye's promised answers cannot come any more
 
     def on_dropped(self, why: str, cause: str = "malformed") -> None:
         self._refusals.dropped(why, cause)
@@ -247,6 +248,8 @@ class Dispatch:
         def resolve(sender: int, desc: Any) -> Any:
             # Descriptors only from the authenticated peer of this link, into its own pools.
             p = self._peer_of.get(self._links.get(link, -1))
+            if p is not None and p.lost:  # its pools went with it: say so, not "malformed"
+                raise PeerLeft(f"a frame from node {sender}, which {p.lost}, whose buffers were in its pool")
             if type(desc) is list and desc and desc[0] == CUDA_TAG:
                 if p is None or p.node_id != sender or p.gpu_reader is None:
                     raise ProtocolError(f"a CUDA descriptor claiming node {sender} on a link whose "

@@ -44,6 +44,12 @@ class Oversized(ProtocolError):
     cause = "oversized"
 
 
+class PeerLeft(ProtocolError):
+    """A frame from a peer that left or was lost, whose buffers went with it (its pool)."""
+
+    cause = "peer_left"
+
+
 class Timeout(MQError, TimeoutError):
     """A bounded wait ran out."""
 

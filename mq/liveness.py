@@ -73,6 +73,8 @@ class Liveness:
         closing its links: links are FIFO, so the answer confirms every frame it sent before),
         and it is lost."""
         self.on_receipt(env.sender, env.payload)
+        if isinstance(env.payload, dict):
+            self._calls.promised(env.sender, env.payload.get("serving"))
         p = self._peers.get(env.sender)
         try:
             self._sender.send_control(env.sender, REP_OK, {"rx": p.rx if p is not None else 0}, 1.0, env.corr)
@@ -122,7 +124,8 @@ class Liveness:
                 corr = self._calls.new_corr()
                 fut = calls.enter_context(self._calls.pending(peer, corr))
                 try:
-                    self._sender.send_control(peer, BYE, {"rx": self._peers.by_id[peer].rx},
+                    bye = {"rx": self._peers.by_id[peer].rx, "serving": self._calls.farewell(peer)}
+                    self._sender.send_control(peer, BYE, bye,
                                               max(0.0, min(1.0, deadline - time.monotonic())), corr)
                     waiting[peer] = fut
                 except Exception as exc:  # a dead (or full) peer must not delay our stop

@@ -27,6 +27,9 @@ log = logging.getLogger("mq")
 
 #: Frames in flight unconfirmed to a peer that did not say its window (its queue_size default).
 DEFAULT_WINDOW = 1024
+#: A node's window is its queue_size, at least this: a receipt every quarter window, so a tiny
+#: queue must not cost a receipt per frame, nor stop a sender from batching.
+MIN_WINDOW = 64
 
 
 @dataclass

@@ -37,6 +37,8 @@ log = logging.getLogger("mq")
 
 # Frames these kinds carry are counted both ways; receipts (PING "rx") acknowledge them.
 COUNTED = frozenset({MSG, REQ, REP_OK, REP_ERR, RELAY})
+# Frames a stopping node still sends: the answers to calls that reached it before its goodbye.
+ANSWERS = frozenset({REP_OK, REP_ERR})
 
 
 class Sender:
@@ -179,7 +181,7 @@ class Sender:
 
     def checked_peer(self, peer: int, frame: Frame, what: str = "send") -> Peer:
         """The live peer ``peer`` if ``frame`` may go to it now; raises why not."""
-        if self._life.state != "listening":
+        if self._life.state != "listening" and not (self._life.state == "stopping" and frame.kind in ANSWERS):
             raise ClosedError(self._life.not_listening(what))
         p = self._peer_get(peer)
         if p is None:

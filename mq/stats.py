@@ -50,11 +50,14 @@ class Refusals:
         self.log(cause, f"node {self.node_id}: refused: {why}")
 
     def dropped(self, why: str, cause: str = "malformed") -> None:
-        """A frame that could not be read (``malformed``) or was too large (``oversized``)."""
+        """A frame that could not be read (``malformed``), was too large (``oversized``), or
+        another cause (``Stats.dropped``)."""
         if cause == "oversized":
             self.stats.dropped_oversized += 1
-        else:
+        elif cause in ("malformed", "error"):
             self.stats.dropped_malformed += 1
+        else:
+            self.stats.dropped[cause] = self.stats.dropped.get(cause, 0) + 1
         self.log(cause, f"node {self.node_id}: dropped a {cause} frame: {why}")
 
     def discarded(self, cause: str, why: str) -> None:

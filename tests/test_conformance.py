@@ -96,6 +96,10 @@ def test_stop_names_what_a_receiver_slower_than_its_bound_never_confirmed(backen
     conformance.check_stop_names_what_it_could_not_deliver(backend.group)
 
 
+def test_calls_racing_stop_get_their_answers_whenever_their_handler_ran(backend):
+    conformance.check_calls_racing_stop_get_answers(backend.group)
+
+
 # ---------------------------------------------------------------------- out of tree
 class OutOfTree(Transport):
     """A transport named in no registry, as a user's package would define it: it moves frames

@@ -26,6 +26,9 @@ def main() -> None:
         options.update(tls=json.loads(os.environ["MQ_TEST_TLS"]), protocol="tcp")
     if os.environ.get("MQ_TEST_PROTOCOL"):  # e.g. tcp: a same-host peer over the tcp route
         options["protocol"] = os.environ["MQ_TEST_PROTOCOL"]
+    if os.environ.get("MQ_TEST_QUEUE"):  # "size,bytes": where a stalled peer blocks its senders
+        size, nbytes = os.environ["MQ_TEST_QUEUE"].split(",")
+        options.update(queue_size=int(size), queue_bytes=int(nbytes))
     if os.environ.get("MQ_TEST_LISTEN"):  # another "host": listen where the test can dial back
         options["listen_to"] = os.environ["MQ_TEST_LISTEN"]
     q = mq.create("nng", node_id, "peer", attach_to=[attach], timeout=10, **options)
