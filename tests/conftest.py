@@ -11,6 +11,21 @@ import pytest
 pytest.register_assert_rewrite("mq.conformance")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--background-load", type=int, default=0, metavar="N",
+                     help="run the tests with N CPU-bound processes busy the whole session (mq.tools.load): "
+                          "what must hold on a saturated machine holds there")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_load(request: pytest.FixtureRequest):
+    """``--background-load N``: N CPU-bound processes for the whole session."""
+    from mq.tools.load import BackgroundLoad
+
+    with BackgroundLoad(request.config.getoption("--background-load")) as load:
+        yield load
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch

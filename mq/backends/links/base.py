@@ -124,10 +124,27 @@ class Sender:
             self._lost()  # core marks the peer lost; the caller's ClosedError becomes PeerLost
         return ClosedError(f"the link was closed while sending: {exc.strerror}")
 
+    def _let_go(self) -> None:
+        """Release the link after one frame; close its socket if close() came meanwhile (it
+        could not: we held the link)."""
+        self._lock.release()
+        if self.closed and self._lock.acquire(False):
+            try:
+                self.sock.close()  # (idempotent: close() may have closed it meanwhile)
+            finally:
+                self._lock.release()
+
     def close(self) -> None:
         self.closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes a sender waiting in poll()
         except OSError:
             pass
-        self.sock.close()
+        # The fd is closed only while no sender uses it: a sender polling a closed fd whose number
+        # was reused (a new link, a pipe) would wait on somebody else's file until its deadline.
+        if self._lock.acquire(False):
+            try:
+                self.sock.close()
+            finally:
+                self._lock.release()
+        # else the sender holding it closes it as it lets go (_let_go)

@@ -239,7 +239,7 @@ class Outbound(Sender):
                     self._wait_ready(peer, ready, min((i + 1) * PIECE, size), deadline, begun=i > 0)
                 self._record(peer, record, deadline, begun=i > 0)
         finally:
-            self._lock.release()
+            self._let_go()
 
     def _wait_ready(self, peer: int, ready: Callable[[int, float], None], end: int, deadline: float,
                     begun: bool) -> None:

@@ -152,7 +152,7 @@ class Outbound(Sender):
                         pass
                     raise
         finally:
-            self._lock.release()
+            self._let_go()
 
     def _send(self, peer: int, parts: list[Any], deadline: float) -> None:
         poller = None
