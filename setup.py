@@ -1,6 +1,6 @@
 """Installable package for mq. Pins that make CI fast live in constraints.txt, not here."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 # The coverage-guided fuzzer (scripts/fuzz). Its wheels exist for CPython <= 3.11 on x86-64 Linux
 # only; elsewhere pip would try to build it with clang's libFuzzer, so it is left out there and
@@ -13,7 +13,8 @@ setup(
     description="Point-to-point messaging for distributed reinforcement learning (NNG and torch RPC backends)",
     python_requires=">=3.10",
     # cli/ sits at the top of the repo but installs as mq.cli: no top-level `cli` in site-packages.
-    packages=["mq", "mq.backends", "mq.tools", "mq.cli", "mq.integrations"],
+    # Every package under mq/ (found, not listed: a new one can never be left out of the wheel).
+    packages=[*find_packages(include=["mq", "mq.*"]), "mq.cli"],
     package_dir={"mq": "mq", "mq.cli": "cli"},
     install_requires=[
         "numpy>=1.24",

@@ -109,6 +109,9 @@ def _fail(message: str) -> click.ClickException:
 @click.option("--busy-poll/--no-busy-poll", "busy_poll", default=None,
               help="the mq nodes' busy_poll option (see mq run --help). Default: the transports' "
                    "default (on).")
+@click.option("--background-load", type=click.IntRange(0), default=0, show_default=True, metavar="N",
+              help="measure every row twice: idle, then with N CPU-bound processes running (as collectors "
+                   "stepping environments keep an RL machine busy); each loaded row follows its idle one.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
               help="what to print on stdout.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
@@ -119,7 +122,7 @@ def _fail(message: str) -> click.ClickException:
 def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, ...],
           subscribers: int, messages: int, device: str, sizes: str | None,
           max_seconds: float | None, target_seconds: float, min_samples: int, max_samples: int,
-          warmup: int, two_hosts: bool, fan_hosts: str | None, link_rate: str | None, suite: bool, no_baseline: bool, no_links: bool, split_cpus: bool, busy_poll: bool | None, fmt: str,
+          warmup: int, two_hosts: bool, fan_hosts: str | None, link_rate: str | None, suite: bool, no_baseline: bool, no_links: bool, split_cpus: bool, busy_poll: bool | None, background_load: int, fmt: str,
           out_dir: str | None, plot_path: str | None, quiet: bool) -> None:
     """Latency (round trip, one-way, fan-out) and stream throughput between processes per mq
     type, route and size, against raw pynng, raw pyzmq and raw torch RPC and the memcpy bound
@@ -173,6 +176,11 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
         subscribers=subscribers, messages=messages, mode_sizes=mode_sizes, busy_poll=busy_poll,
     )
     report = _measure(cfg, quiet)
+    if background_load:
+        from mq.tools.load import BackgroundLoad
+
+        with BackgroundLoad(background_load):
+            report = lib.with_load(report, _measure(cfg, quiet), background_load)
     _output(report, fmt, out_dir, plot_path)
 
 

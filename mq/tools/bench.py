@@ -94,7 +94,7 @@ from mq.supervise import stop_signals_raise
 from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
     ROW_FIELDS, TARGETS, add_link_fractions, Report, _read, _targets, check_line, fmt_ms, fmt_ratio, gpu_pivot,
     machine_info, machine_line, pivot, plot, row_label, row_note, to_csv, to_json, to_markdown,
-    write_all,
+    with_load, write_all,
 )
 from mq.tools.bench_units import (  # noqa: F401
     DEFAULT_SIZES, GB, KB, MAX_SIZE, MB, format_size, parse_size, parse_sizes,

@@ -26,7 +26,7 @@ ROW_FIELDS = (
     "baseline", "baseline_p50_ms", "ratio", "skipped", "reason", "seconds", "link_bytes",
     "mode", "subscribers", "messages", "payloads", "bound_copies", "bound_ms", "ratio_bound", "msgs_per_s",
     "mb_per_s", "lossless", "arrival_p50_ms", "arrival_ratio",
-    "owned", "arrived_on", "bound_kind", "rpc_cuda_p50_ms", "rpc_cuda_ratio", "link_fraction",
+    "owned", "arrived_on", "bound_kind", "rpc_cuda_p50_ms", "rpc_cuda_ratio", "link_fraction", "load",
 )
 
 
@@ -130,7 +130,39 @@ def row_label(r: dict[str, Any]) -> str:
     dev = f" {r['device']}" if r["device"] != "cpu" else ""
     mode = r.get("mode") or "roundtrip"
     mode = "" if mode == "roundtrip" else f" {mode}" + (f" x{r['subscribers']}" if mode == "fanout" else "")
-    return f"{r['mq_type']}/{route}{mode}{dev}{where}{' +copy' if r.get('owned') else ''}"
+    load = f" +load{r['load']}" if r.get("load") else ""
+    return f"{r['mq_type']}/{route}{mode}{dev}{where}{' +copy' if r.get('owned') else ''}{load}"
+
+
+#: Under load (``--background-load``) small nng messages must stay within this of raw pynng
+#: measured under the same load.
+LOADED_LIMIT = 1.5
+
+
+def with_load(idle: Report, loaded: Report, n: int) -> Report:
+    """One report of the same rows idle and with ``n`` CPU-bound processes running
+    (``mq bench --background-load N``): each loaded row right after its idle one, labelled
+    ``+loadN``. The targets are judged on the idle rows; the loaded small nng rows against
+    :data:`LOADED_LIMIT` (their baselines ran under the same load)."""
+    for r in loaded.rows:
+        r["load"] = n
+    order = {row_label(r): i for i, r in enumerate(idle.rows)}
+    keyed = [(order.get(row_label({**r, "load": 0}), len(order)), 1, r) for r in loaded.rows]
+    keyed += [(order[row_label(r)], 0, r) for r in idle.rows]
+    rows = [r for _i, _loaded, r in sorted(keyed, key=lambda k: (k[0], k[1]))]
+    small = [r for r in loaded.rows if _vs_raw(r) and r["mq_type"] == "nng" and r["size_bytes"] <= 20 * KB
+             and r.get("mode") != "stream" and r.get("ratio") is not None]
+    worst = max(small, key=lambda r: r["ratio"], default=None)
+    targets = [*idle.targets, {
+        "target": f"under load ({n} CPU-bound processes): nng 1.25 KB and 20 KB p50 <= {LOADED_LIMIT}x "
+                  "raw pynng under the same load", "limit": LOADED_LIMIT, "rows_checked": len(small),
+        "met": bool(small) and all(r["ratio"] <= LOADED_LIMIT for r in small),
+        "misses": [f"{row_label(r)} {r['size']}: {r['ratio']:.3g}x" for r in small if r["ratio"] > LOADED_LIMIT],
+        "worst": f"{row_label(worst)} {worst['size']}: {worst['ratio']:.3g}x" if worst else None}]
+    config = {**idle.config, "background_load": n}
+    return Report(machine=idle.machine, rows=rows, links=idle.links + [dict(x, load=n) for x in loaded.links],
+                  config=config, targets=targets, notes=idle.notes + [f"+load{n}: {x}" for x in loaded.notes],
+                  checks=idle.checks)
 
 
 def stream_note(r: dict[str, Any]) -> str:

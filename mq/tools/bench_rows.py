@@ -47,7 +47,7 @@ def _row(c: Case, size: int, bound: Case | None, messages: int) -> dict[str, Any
         "owned": c.owned if c.device == "cuda" and c.kind == "mq" else None,
         "arrived_on": ",".join(sorted(res.arrived_on)) or None,
         "bound_kind": bound.mq_type if bound is not None else None,
-        "rpc_cuda_p50_ms": None, "rpc_cuda_ratio": None, "link_fraction": None,
+        "rpc_cuda_p50_ms": None, "rpc_cuda_ratio": None, "link_fraction": None, "load": 0,
     }
     if c.mode == "stream" and (res.samples_ns or "lost or reordered" in (res.skipped or "")):
         row["lossless"] = "lost or reordered" not in (res.skipped or "")  # B checks every counter
