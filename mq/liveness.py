@@ -77,7 +77,7 @@ class Liveness:
             self._calls.promised(env.sender, env.payload.get("serving"))
         p = self._peers.get(env.sender)
         try:
-            self._sender.send_control(env.sender, REP_OK, {"rx": p.rx if p is not None else 0}, 1.0, env.corr)
+            self._sender.send_control(env.sender, REP_OK, {"rx": p.rx if p is not None else 0}, 2.0, env.corr)
         except Exception as exc:
             log.debug("node %d: could not answer the farewell of node %d: %s", self.node_id, env.sender, exc)
         self._peers.lose(env.sender, "stopped (it called stop())")
@@ -125,8 +125,8 @@ class Liveness:
                 fut = calls.enter_context(self._calls.pending(peer, corr))
                 try:
                     bye = {"rx": self._peers.by_id[peer].rx, "serving": self._calls.farewell(peer)}
-                    self._sender.send_control(peer, BYE, bye,
-                                              max(0.0, min(1.0, deadline - time.monotonic())), corr)
+                    left = max(0.0, deadline - time.monotonic())  # a dead peer fails fast (PeerLost);
+                    self._sender.send_control(peer, BYE, bye, min(left, max(1.0, left / 2)), corr)  # a slow one gets time
                     waiting[peer] = fut
                 except Exception as exc:  # a dead (or full) peer must not delay our stop
                     log.debug("node %d: no farewell to node %d: %s", self.node_id, peer, exc)
