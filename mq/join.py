@@ -30,7 +30,7 @@ from mq.codec import HELLO, HELLO_ACK, LINK, SUBS, Envelope
 from mq.errors import ConfigError, MQError, ProtocolError
 from mq.lifecycle import Lifecycle
 from mq.locality import Locality
-from mq.peers import Peer, PeerTable
+from mq.peers import DEFAULT_WINDOW, Peer, PeerTable
 from mq.routing import select_route
 from mq.sender import Sender
 from mq.stats import Refusals

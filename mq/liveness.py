@@ -76,6 +76,8 @@ class Liveness:
         if isinstance(env.payload, dict):
             self._calls.promised(env.sender, env.payload.get("serving"))
         p = self._peers.get(env.sender)
+        if p is not None:
+            p.said_goodbye = True
         try:
             self._sender.send_control(env.sender, REP_OK, {"rx": p.rx if p is not None else 0}, 2.0, env.corr)
         except Exception as exc:

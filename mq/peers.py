@@ -55,6 +55,7 @@ class Peer:
     window: int = DEFAULT_WINDOW
     rx_told: int = 0
     receipt_due: bool = False
+    said_goodbye: bool = False  # it left by stop(): our answer to its BYE must still go out
     last_seen: float = field(default_factory=time.monotonic)
     last_sent: float = 0.0
 

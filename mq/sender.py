@@ -37,6 +37,7 @@ log = logging.getLogger("mq")
 
 # Frames these kinds carry are counted both ways; receipts (PING "rx") acknowledge them.
 COUNTED = frozenset({MSG, REQ, REP_OK, REP_ERR, RELAY})
+GOODBYE_LINGER_S = 1.0  # see Sender.disconnect
 # Frames a stopping node still sends: the answers to calls that reached it before its goodbye.
 ANSWERS = frozenset({REP_OK, REP_ERR})
 
@@ -269,8 +270,11 @@ class Sender:
     def disconnect(self, peer: Peer, _why: str = "") -> None:
         """``peer`` is gone: close its link, so every send blocked on it returns now. Not from
         this thread: it may be the transport's own callback, which must not close its socket
-        under itself."""
-        threading.Thread(target=self._disconnect, args=(peer.node_id,), daemon=True).start()
+        under itself. A peer that said goodbye gets a moment first: our answer to its BYE (and to
+        the calls it still waits for) may be queued on the link, and it closes its side anyway."""
+        closer = threading.Timer(GOODBYE_LINGER_S if peer.said_goodbye else 0.0, self._disconnect, (peer.node_id,))
+        closer.daemon = True
+        closer.start()
 
     def _disconnect(self, node_id: int) -> None:
         try:

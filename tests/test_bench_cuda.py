@@ -193,7 +193,8 @@ def test_markdown_json_and_table_show_the_cuda_ratios_and_pass_lines(capsys):
     assert data["checks"] == report.checks and len(data["checks"]) == 8
     assert not any(t["rows_checked"] for t in report.targets)  # CPU targets: CUDA rows have checks
     header = lib.to_csv(report).splitlines()[0].split(",")
-    assert header[-6:] == ["owned", "arrived_on", "bound_kind", "rpc_cuda_p50_ms", "rpc_cuda_ratio", "link_fraction"]
+    assert header[-7:] == ["owned", "arrived_on", "bound_kind", "rpc_cuda_p50_ms", "rpc_cuda_ratio", "link_fraction",
+                           "load"]
     _print_tables(report)
     out = capsys.readouterr().out
     assert "CUDA payloads" in out and "GPU pass lines" in out and "+copy" in out

@@ -135,8 +135,12 @@ class Outbox:
         batch, self.pending = self.pending[:n], self.pending[n:]
         return batch
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0) -> None:
+        """Close now, dropping what is still queued; with ``linger``, first let the flusher send
+        it for up to that many seconds (our own stop: answers queued last still go out)."""
         with self.cond:
+            if linger > 0:
+                self.cond.wait_for(lambda: self.closed or not (self.pending or self.flushing), linger)
             self._close_locked()
         self.sock.close()  # ends a flusher's send waiting on the peer
 

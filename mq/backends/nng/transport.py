@@ -186,8 +186,8 @@ class NngTransport(Transport):
             sockets = list(self._bootstrap.values())
             self._out.clear()
             self._bootstrap.clear()
-        for box in outboxes:
-            box.close()
+        for box in outboxes:  # what our last frames (answers to calls) queued still goes out
+            box.close(min(0.5, max(0.0, deadline - time.monotonic()) / 2)) if isinstance(box, Outbox) else box.close()
         for s in sockets:
             s.close()
         if self._inbox_sock is not None:
