@@ -24,7 +24,7 @@ from mq.tools.load import BackgroundLoad
 pytestmark = pytest.mark.timeout(240)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = 4
+RUNS = int(os.environ.get("MQ_TEST_DEATH_RUNS", "4"))  # 10 for a closing note's counts
 # The consumer's queue and the sender's messages: where the sender ends up waiting differs by
 # route (its window of unconfirmed frames, a full socket, the peer's shm pool).
 STREAMS = {"small": ("8,268435456", 1 << 10), "large": ("1024,1", 256 << 10)}
