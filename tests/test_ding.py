@@ -76,7 +76,9 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-SCENARIOS = ["run", "uncaught_exception", "disconnected", "auto_recover"]
+SCENARIOS = ["run", "uncaught_exception", "disconnected", "auto_recover",
+             # DI-engine's distributer tests (ding/framework/middleware/tests/test_distributer.py)
+             "context_exchanger", "context_exchanger_with_storage_loader"]
 
 
 @pytest.mark.timeout(200)

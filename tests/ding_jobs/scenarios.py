@@ -138,8 +138,17 @@ def run(scenario, mq_type):
         raises(lambda: Parallel.runner(n_parallel_workers=3, mq_type=mq_type, topology="mesh",
                                        auto_recover=True, max_retries=0, startup_interval=0.1)(AutoRecover.main),
                "P1 Error")
+    elif scenario in DISTRIBUTER:
+        # DI-engine's own ding/framework/middleware/tests/test_distributer.py mains, unchanged
+        from ding.framework.middleware.tests import test_distributer
+
+        main = getattr(test_distributer, f"{scenario}_main")
+        Parallel.runner(n_parallel_workers=2, mq_type=mq_type, startup_interval=0.1)(main)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+DISTRIBUTER = ("context_exchanger", "context_exchanger_with_storage_loader")
 
 
 if __name__ == "__main__":
