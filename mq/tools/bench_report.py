@@ -122,7 +122,8 @@ def row_label(r: dict[str, Any]) -> str:
     """``nng/auto->ipc``; other modes than round trip say so (``nng/ipc fanout x4``), and the
     bound says what it is."""
     if r["kind"] == "bound":
-        return "D2D copy cuda (bound)" if r["mq_type"] == "d2d" else "memcpy (bound)"
+        load = f" +load{r['load']}" if r.get("load") else ""
+        return ("D2D copy cuda (bound)" if r["mq_type"] == "d2d" else "memcpy (bound)") + load
     route = r["route"]
     if r.get("resolved_route") and r["resolved_route"] != route and r["kind"] == "mq":
         route = f"{route}->{r['resolved_route']}"

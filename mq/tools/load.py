@@ -45,6 +45,12 @@ class BackgroundLoad:
             p = ctx.Process(target=_spin, args=(stop_at,), daemon=True, name=f"mq-load-{i}")
             p.start()
             self._procs.append(p)
+        time.sleep(0.5 if self.n else 0)  # a load that died at start (a spawn error) is no load
+        dead = [p for p in self._procs if not p.is_alive()]
+        if dead:
+            self.__exit__()
+            raise RuntimeError(f"{len(dead)} of {self.n} background load processes died at start (exit codes "
+                               f"{[p.exitcode for p in dead]}): run BackgroundLoad under `if __name__ == '__main__':`")
         return self
 
     def __exit__(self, *exc: Any) -> None:
