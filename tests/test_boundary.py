@@ -195,3 +195,18 @@ def test_handshake_frames_are_small_and_typed():
     with pytest.raises(handshake.Refused) as info:
         handshake.parse(raw_frame(MSG, 3, "hi"))
     assert info.value.cause == "unauthenticated"
+
+
+@pytest.mark.parametrize("window", [0, -1, 1 << 25, "64", 1.5, None])
+def test_a_hello_window_out_of_bounds_or_of_the_wrong_type_is_refused(window):
+    """The flow-control window a HELLO states (frames a sender may keep unconfirmed) is a
+    bounded int: a peer cannot make others buffer without limit, nor stall them with 0."""
+    hello = _hello_of(mq.create("inproc", 3))
+    assert handshake.parse(raw_frame(HELLO, 3, hello, topic="")).payload["window"] == 1024
+    if window is None:  # optional: an older peer's HELLO without it is accepted
+        hello.pop("window")
+        assert handshake.parse(raw_frame(HELLO, 3, hello, topic="")).sender == 3
+        return
+    with pytest.raises(handshake.Refused) as info:
+        handshake.parse(raw_frame(HELLO, 3, dict(hello, window=window), topic=""))
+    assert info.value.cause == "handshake_malformed"
