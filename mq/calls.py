@@ -140,31 +140,13 @@ class Calls:
         except InvalidStateError:  # the call already failed (peer lost, stop) or timed out
             self._stats.dropped_unexpected_reply += 1
 
-    def fail(self, error_for: Callable[[int], MQError | None]) -> None:
-        """Fail the calls waiting for a REP frame (a call inside ``transport.request`` learns
-        its fate from the transport: an answer sent before a peer's goodbye may still come)."""
-        with self._lock:
-            pending = list(self._calls.values())
-        for peer, fut in pending:
-            err = error_for(peer)
-            if err is not None:
-                try:
-                    fut.set_exception(err)
-                except InvalidStateError:  # answered in the meantime
-                    pass
-
     def peer_lost(self, peer: Peer, why: str) -> None:
         """Fail the calls waiting on ``peer``, but those it promised to answer in its goodbye
         (its answers follow the BYE; :meth:`link_lost` ends them if they never come)."""
         with self._lock:
             promised = self._promised.get(peer.node_id, set())
-            pending = [(corr, fut) for corr, (p, fut) in self._calls.items()
-                       if p == peer.node_id and corr not in promised]
-        for _corr, fut in pending:
-            try:
-                fut.set_exception(PeerLost(f"node {peer.node_id} {why}"))
-            except InvalidStateError:  # answered in the meantime
-                pass
+            pending = [fut for corr, (p, fut) in self._calls.items() if p == peer.node_id and corr not in promised]
+        _fail_all(pending, PeerLost(f"node {peer.node_id} {why}"))
 
     def promised(self, peer: int, corrs: Any) -> None:
         """``peer`` said goodbye and will still answer these calls of ours (they reached it
@@ -277,7 +259,10 @@ class Calls:
                 pass
 
     def close(self) -> None:
-        self.fail(lambda peer: ClosedError("the queue was stopped while the call was pending"))
+        # (A call inside ``transport.request`` learns its fate from the transport instead.)
+        with self._lock:
+            pending = [fut for _peer, fut in self._calls.values()]
+        _fail_all(pending, ClosedError("the queue was stopped while the call was pending"))
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
