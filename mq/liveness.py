@@ -90,12 +90,14 @@ class Liveness:
         if p is None or p.lost:
             return
         rx = p.rx
-        p.receipt_due = False
+        due, p.receipt_due = p.receipt_due, False
         try:
             self._sender.send_control(peer_id, PING, {"rx": rx, "want": want}, timeout)
             p.last_sent = time.monotonic()
             p.rx_told = rx
         except MQError as exc:  # a full link: the data itself shows we are alive
+            # A receipt it waits for is tried again next tick: its sender may be blocked on it.
+            p.receipt_due = p.receipt_due or due
             log.debug("node %d: heartbeat to node %d: %s", self.node_id, peer_id, exc)
 
     # ------------------------------------------------------------------ waits
@@ -163,6 +165,7 @@ class Liveness:
                 # unread, so nobody's silence is proven. Judge again from now on.
                 self._stalled_until = max(self._stalled_until, now + self.heartbeat)
             last = now
+            self._send_due_receipts()  # those whose last try failed
             for p in self._peers.list():
                 if p.lost:
                     continue

@@ -55,6 +55,9 @@ class Peer:
     window: int = DEFAULT_WINDOW
     rx_told: int = 0
     receipt_due: bool = False
+    # Counts ``tx`` before the frame leaves (senders to one peer run in several threads): a
+    # receipt can come back before the send that it confirms has returned.
+    tx_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     said_goodbye: bool = False  # it left by stop(): our answer to its BYE must still go out
     last_seen: float = field(default_factory=time.monotonic)
     last_sent: float = 0.0
@@ -160,11 +163,12 @@ class PeerTable:
                 self.changed.notify_all()
 
     def receipt(self, peer_id: int, rx: Any) -> None:
-        """``peer_id`` confirmed it received ``rx`` of our counted frames."""
+        """``peer_id`` confirmed it received ``rx`` of our counted frames. More than we count
+        as sent (a frame whose send failed after it left) confirms all of them."""
         with self.changed:
             peer = self.by_id.get(peer_id)
-            if peer is not None and type(rx) is int and peer.acked < rx <= peer.tx:
-                peer.acked = rx
+            if peer is not None and type(rx) is int and peer.acked < rx:
+                peer.acked = min(rx, peer.tx)
                 self.changed.notify_all()
 
     # ------------------------------------------------------------------ waiting

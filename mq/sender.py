@@ -200,16 +200,22 @@ class Sender:
         if (p is None or p.lost or self._life.state != "listening"
                 or (p.max_frame_bytes is not None and frame.nbytes > p.max_frame_bytes)):
             p = self.checked_peer(peer, frame)  # raises why (inline above: the hot path)
-        if p.tx - p.acked >= p.window and frame.kind in COUNTED:
-            self._peers.wait_in_flight(p, time.monotonic() + timeout)  # flow control (mq.peers.Peer)
+        counted = frame.kind in COUNTED
+        if counted:
+            if p.tx - p.acked >= p.window:
+                self._peers.wait_in_flight(p, time.monotonic() + timeout)  # flow control (mq.peers.Peer)
+            with p.tx_lock:  # counted before it leaves: its receipt may beat our return
+                p.tx += 1
         try:
             receipt = self._send(peer, frame, timeout)
-        except (ClosedError, Timeout):
-            if p.lost:  # the link was torn down under us because the peer died
+        except BaseException as exc:
+            if counted:
+                with p.tx_lock:
+                    p.tx -= 1  # it did not leave (a receipt saying otherwise is clamped)
+            if isinstance(exc, (ClosedError, Timeout)) and p.lost:
+                # the link was torn down under us because the peer died
                 raise PeerLost(f"node {peer} {p.lost}") from None
             raise
-        if frame.kind in COUNTED:
-            p.tx += 1
         p.last_sent = time.monotonic()
         self._stats.sent += 1
         return receipt
