@@ -350,7 +350,9 @@ class MQ:
             Timeout: no confirmation within ``timeout`` seconds.
         """
         timeout = self._timeout(timeout)
-        self._peers.wait_peer(peer, timeout, self._join.unanswered)
+        p = self._peer_get(peer) if type(peer) is int else None
+        if p is None or p.lost is None:  # (one that left is judged by what it confirmed)
+            self._peers.wait_peer(peer, timeout, self._join.unanswered)
         self._liveness.flush(peer, timeout)
 
     # ------------------------------------------------------------------ shared buffers

@@ -108,9 +108,12 @@ class Liveness:
         self.ping(peer, want=True, timeout=timeout)
 
         def done() -> bool:
+            if p.acked >= target:  # (a peer that left after confirming everything: flushed)
+                return True
             if p.lost:
-                raise PeerLost(f"node {peer} {p.lost}")
-            return p.acked >= target
+                raise PeerLost(f"node {peer} {p.lost}; it never confirmed {target - p.acked} of the "
+                               f"{target} frames sent to it")
+            return False
 
         self._peers.wait(done, timeout, lambda: f"node {peer} confirmed {p.acked} of {target} frames "
                                                 f"within {timeout:g}s")

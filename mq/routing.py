@@ -10,7 +10,7 @@ route      viable when                                         GPU payloads
 inproc     same process (boot id, pid and PID namespace)       handed over, no copy
 nvlink     (GPU only) same boot id and PID namespace, no    CUDA IPC, device to device
            MIG, the same GPU or a pair with P2P access
-shm        same boot id and IPC namespace                      staged through host shared memory
+shm        same boot id, IPC and PID namespace                 staged through host shared memory
 ipc        same boot id, network and mount namespace           staged through host, unix socket
            (the socket path must be visible to both)
 rdma       both sides have an ACTIVE RDMA port on a common     GPUDirect RDMA where both sides
@@ -127,7 +127,10 @@ def _shm(p: _Pair) -> tuple[bool, str]:
         return False, why
     if not known_same(p.a.ipc_ns, p.b.ipc_ns):
         return False, "same host but different IPC namespace: no shared memory"
-    return True, "same boot id and IPC namespace: shared memory"
+    if not known_same(p.a.pid_ns, p.b.pid_ns):  # a pool opens by /proc/<pid>/fd/<fd>
+        return False, ("same host but different PID namespace: the pool's /proc/<pid>/fd path "
+                       "names another process (docker: --pid=host beside --ipc=host)")
+    return True, "same boot id, IPC and PID namespace: shared memory"
 
 
 def _ipc(p: _Pair) -> tuple[bool, str]:

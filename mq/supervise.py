@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import signal
 import threading
@@ -23,12 +24,17 @@ def die_with_parent(signum: int = signal.SIGKILL, *, exit_if_orphaned: bool = Fa
     survives it. Usable as a ``preexec_fn``; elsewhere than Linux a no-op.
 
     ``exit_if_orphaned``: exit at once when the parent already died before the call took
-    effect (this process was reparented to init). Only for a parent that is never init itself.
+    effect (this process was reparented). The parent is the one ``multiprocessing`` started
+    this process from, when it did; else any parent but init (pid 1). (A launcher that is
+    itself pid 1, as ``mq run`` as a container's first process, keeps its workers.)
     """
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
-        if exit_if_orphaned and os.getppid() == 1:
-            os._exit(1)
+        if exit_if_orphaned:
+            parent = multiprocessing.parent_process()
+            expected = parent.pid if parent is not None else None
+            if (os.getppid() != expected) if expected is not None else os.getppid() == 1:
+                os._exit(1)
 
 
 @contextlib.contextmanager

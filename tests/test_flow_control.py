@@ -126,3 +126,27 @@ def test_a_receipt_that_failed_is_sent_again_without_new_frames():
     finally:
         sender.stop(2, raise_undelivered=False)
         receiver.stop(2, raise_undelivered=False)
+
+
+def test_flush_towards_a_peer_that_left_after_confirming_everything_returns():
+    # Its goodbye carried its receipt: everything arrived, so flush() has nothing to report
+    # (before: PeerLost, as if frames were lost).
+    t0, t1 = CaptureTransport(0), CaptureTransport(1)
+    t0.other, t1.other = t1, t0
+    common = dict(shm=False, secret="flow-control-secret", heartbeat=3000, peer_timeout=3000)
+    receiver = mq.MQ(0, transport=t0, **common)
+    sender = mq.MQ(1, transport=t1, **common)
+    receiver.listen()
+    sender.listen()
+    try:
+        sender.wait_for_peers(1, timeout=5)
+        receiver.wait_for_peers(1, timeout=5)
+        for i in range(5):
+            sender.send(0, "t", i, timeout=2)
+        assert [receiver.recv(timeout=2).payload for _ in range(5)] == list(range(5))
+        receiver.stop(2)
+        assert sender._peers.get(0).lost
+        sender.flush(0, timeout=2)
+    finally:
+        sender.stop(2, raise_undelivered=False)
+        receiver.stop(2, raise_undelivered=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,6 +181,17 @@ def test_killed_launcher_leaves_no_orphans(tmp_path):
         for p in pids:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
+def test_a_launcher_that_is_pid_1_keeps_its_workers():
+    # `mq run` as a container's first process: its workers' parent is pid 1, which is not
+    # init's reparenting (before: every worker exited at once, code 1, no message).
+    r = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "mq.cli.main",
+                        "run", "--main", "tests.jobs.roles:ok", "-n", "2"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert sorted(line.split(" labels")[0] for line in r.stdout.splitlines()) == ["node 0", "node 1"], r.stdout
 
 
 @pytest.mark.parametrize("args, reason", [

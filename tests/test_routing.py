@@ -76,7 +76,9 @@ def test_same_process_is_inproc():
 
 def test_same_pid_in_another_pid_namespace_is_not_same_process():
     r = both_ways(node(), node(pid_ns="pid:[4026532572]"))
-    assert r.kind == "shm"
+    # nor shm: the peer's pool opens as /proc/<pid>/fd/<fd>, a path that names another process
+    # there (in two containers both may be pid 7: the probe would open our own pool)
+    assert r.kind == "ipc" and "not shm: same host but different PID namespace" in r.reason
 
 
 def test_same_process_override():
@@ -132,7 +134,8 @@ def test_same_host_across_containers_with_gpus_has_no_nvlink():
     a = docker(ID_1, 1, gpus=TWO_GPUS_P2P)
     b = docker(ID_2, 2, gpus=TWO_GPUS_P2P)
     r = both_ways(a, b)
-    assert (r.kind, r.gpu) == ("shm", "shm")  # --ipc=host keeps shared memory
+    # --ipc=host alone does not give shared memory (--pid=host too: the pool's /proc path)
+    assert (r.kind, r.gpu) == ("tcp", "tcp") and "different PID namespace" in r.reason
     assert "across containers" in r.reason and "CUDA IPC" in r.reason
 
 
@@ -143,7 +146,7 @@ def test_container_without_ids_is_judged_by_namespaces():
     assert both_ways(a, b).gpu == "nvlink"  # same container: same pid and mount namespace
     c = node(pid=300, gpus=TWO_GPUS_P2P)  # a host process next to the container
     r = both_ways(a, c)
-    assert r.gpu == "shm" and "namespaces differ" in r.reason
+    assert r.gpu == "tcp" and "namespaces differ" in r.reason
 
 
 def test_two_hosts_with_active_ports_take_rdma_with_gpudirect():
@@ -236,7 +239,7 @@ def test_nng_uses_ipc_where_the_table_says_shm_and_nvlink_for_gpu_payloads():
 
 def test_nvlink_needs_the_same_pid_namespace_not_the_same_ipc_namespace():
     other_pid_ns = both_ways(node(gpus=TWO_GPUS_P2P), node(pid=200, pid_ns="pid:[4026532999]", gpus=TWO_GPUS_P2P))
-    assert (other_pid_ns.kind, other_pid_ns.gpu) == ("shm", "shm")
+    assert (other_pid_ns.kind, other_pid_ns.gpu) == ("ipc", "ipc")
     assert "different PID namespace" in other_pid_ns.reason
     other_ipc_ns = both_ways(node(gpus=TWO_GPUS_P2P), node(pid=200, ipc_ns="ipc:[4026532999]", gpus=TWO_GPUS_P2P))
     assert other_ipc_ns.gpu == "nvlink" and other_ipc_ns.kind != "shm"

@@ -22,6 +22,17 @@ does): nng workers listen on ``tcp://address:port`` and dial their topology's pe
 ``attach_to``); torch RPC workers meet in a rendezvous store on this host (one host), or at
 ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``) when the job spans hosts.
 
+Events reach every peer, as on DI-engine's own bus (its ``Bus0`` sends each event to every
+peer, and the receiver keeps those it listens to), not only the peers whose subscriptions are
+known yet: a subscription made a moment after a peer's first ``emit`` must not lose that event.
+DI-engine's own bus drops an event that arrives before its listener is registered (a collector
+that starts first and emits its first context before the learner's ``ContextExchanger``
+subscribes: the learner then waits forever). Here such an event is held for
+:data:`HOLD_S` (at most :data:`HOLD_MAX` per topic) and handed over once the topic is
+subscribed; what expires unheard is counted (``metrics()["ding_expired"]``) and logged once.
+Before its first ``publish``, a worker waits (up to :data:`JOIN_WAIT_S`) for the peers of its
+topology to join, so an early event does not miss a peer still starting.
+
 DI-engine pickles its events into bytes; mq carries those bytes and unpickles nothing. ``recv``
 waits in slices of :data:`RECV_SLICE_S` and returns None once ``stop`` was called, so the
 listener thread ends; ``stop`` returns within :data:`STOP_TIMEOUT_S` (plus a little) even when
@@ -66,6 +77,15 @@ MQ_TYPES = {"mq:nng": "nng", "mq:torchrpc:cpu": "torchrpc:cpu", "mq:torchrpc:cud
 RECV_SLICE_S = 0.1
 #: ``stop``'s bound: goodbyes and the transport's close.
 STOP_TIMEOUT_S = 5.0
+#: How long an event for a topic nobody here listens to yet is held for a late subscriber.
+HOLD_S = 30.0
+#: Events held per topic (the oldest go first).
+HOLD_MAX = 256
+#: After a late subscription, held events are handed over this much later: DI-engine's
+#: ``router.on`` subscribes first and registers its handler just after.
+HANDOVER_DELAY_S = 0.2
+#: How long ``listen`` waits for the topology's peers to join before events may go out.
+JOIN_WAIT_S = 30.0
 #: DI-engine's default base port for ``protocol="tcp"`` (``Parallel.get_node_addrs``).
 DING_BASE_PORT = 50515
 
@@ -88,6 +108,7 @@ class WorkerSpec:
     labels: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
     attach_to: tuple[str, ...] = ()  # the peers it dials, for DI-engine's Barrier (``get_attch_to_len``)
+    peers: tuple[int, ...] = ()  # the job's nodes it talks to (dials or is dialed by)
 
 
 class MQOnDing(DingMQ):
@@ -107,6 +128,7 @@ class MQOnDing(DingMQ):
         self._ready = threading.Event()  # listen() finished (or failed)
         self._stopped = threading.Event()
         self._error: Optional[BaseException] = None
+        self._held = _HeldEvents()
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ DI-engine's interface
@@ -117,6 +139,11 @@ class MQOnDing(DingMQ):
                 for topic in sorted(self._pending):
                     self.q.subscribe(topic)
                 self._pending.clear()
+            if self.spec.peers:  # an early event must not miss a peer that is still starting
+                try:
+                    self.q.wait_for_peers(ids=list(self.spec.peers), timeout=JOIN_WAIT_S)
+                except Timeout as exc:
+                    log.warning("node %d: %s; events go to the peers that joined", self.spec.node_id, exc)
         except BaseException as exc:
             self._error = exc
             log.error("node %d: mq %s could not listen: %s", self.spec.node_id, self.spec.mq_type, exc)
@@ -133,14 +160,16 @@ class MQOnDing(DingMQ):
         if self._error is not None:
             raise ConfigError(f"node {self.spec.node_id}: mq {self.spec.mq_type} failed to listen: "
                               f"{self._error}") from self._error
-        try:
-            self.q.publish(topic, data)
-        except (PeerLost, Timeout) as exc:  # DI-engine's emit is fire and forget: say so, go on
-            self._warn(f"publish:{type(exc).__name__}", "node %d: publish %r: %s (DI-engine's emit goes on)",
-                       self.spec.node_id, topic, exc)
-        except ClosedError:
-            if not self._stopped.is_set():
-                raise
+        for peer in self.q.peers():  # every peer, as DI-engine's bus (module docstring)
+            try:
+                self.q.send(peer, topic, data)
+            except (PeerLost, Timeout) as exc:  # DI-engine's emit is fire and forget: say so, go on
+                self._warn(f"publish:{type(exc).__name__}", "node %d: publish %r: %s (DI-engine's emit goes on)",
+                           self.spec.node_id, topic, exc)
+            except ClosedError:
+                if not self._stopped.is_set():
+                    raise
+                return
 
     def subscribe(self, topic: str) -> None:
         with self._lock:
@@ -148,6 +177,7 @@ class MQOnDing(DingMQ):
                 self.q.subscribe(topic)
             else:
                 self._pending.add(topic)
+        self._held.release(topic, time.monotonic() + HANDOVER_DELAY_S)
 
     def unsubscribe(self, topic: str) -> None:
         with self._lock:
@@ -163,6 +193,9 @@ class MQOnDing(DingMQ):
                 continue
             if self._error is not None:
                 return None
+            due = self._held.due(time.monotonic())
+            if due is not None:
+                return due
             try:
                 msg = self.q.recv(timeout=RECV_SLICE_S)
             except Timeout:
@@ -179,7 +212,15 @@ class MQOnDing(DingMQ):
                            "(DI-engine events are bytes)", self.spec.node_id, type(payload).__name__,
                            msg.topic, msg.sender)
                 continue
-            return msg.topic, payload
+            if msg.topic in self._pending or msg.topic in self.q.subscriptions():
+                if not self._held.behind(msg.topic, payload):  # held ones of its topic go first
+                    return msg.topic, payload
+                continue
+            expired = self._held.hold(msg.topic, payload, time.monotonic())
+            if expired:
+                self._warn("expired", "node %d: %d event(s) expired unheard after %.0f s (first: %r): "
+                           "nothing here subscribed to their topics", self.spec.node_id, expired,
+                           HOLD_S, msg.topic)
         return None
 
     def stop(self) -> None:
@@ -193,13 +234,70 @@ class MQOnDing(DingMQ):
 
     # ------------------------------------------------------------------ helpers
     def metrics(self) -> dict[str, Any]:
-        """The queue's metrics (``mq.MQ.metrics``): ``task.router._mq.metrics()``."""
-        return self.q.metrics()
+        """The queue's metrics (``mq.MQ.metrics``) plus ``ding_held`` and ``ding_expired``
+        (events for topics nobody here listens to): ``task.router._mq.metrics()``."""
+        return {**self.q.metrics(), "ding_held": self._held.count(), "ding_expired": self._held.expired}
 
     def _warn(self, key: str, fmt: str, *args: Any) -> None:
         if key not in self._warned:  # once per cause: emit loops would flood the log
             self._warned.add(key)
             log.warning(fmt, *args)
+
+
+class _HeldEvents:
+    """Events for topics nobody here subscribed to yet, per topic, until a late subscription
+    hands them over or :data:`HOLD_S` passes (module docstring). Thread-safe: ``recv`` holds
+    and hands over on the listener thread, ``subscribe`` releases on DI-engine's main thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[str, list[tuple[float, bytes]]] = {}
+        self._ready: list[tuple[float, str, bytes]] = []  # (handover time, topic, event)
+        self.expired = 0
+
+    def hold(self, topic: str, event: bytes, now: float) -> int:
+        """Keep ``event``; returns how many held events just expired (oldest first)."""
+        with self._lock:
+            before = self.expired
+            for t in list(self._held):
+                kept = [(at, e) for at, e in self._held[t] if now - at < HOLD_S]
+                self.expired += len(self._held[t]) - len(kept)
+                if kept:
+                    self._held[t] = kept
+                else:
+                    del self._held[t]
+            events = self._held.setdefault(topic, [])
+            events.append((now, event))
+            if len(events) > HOLD_MAX:
+                del events[0]
+                self.expired += 1
+            return self.expired - before
+
+    def release(self, topic: str, at: float) -> None:
+        """``topic`` was subscribed: its held events are handed over from ``at``, in order."""
+        with self._lock:
+            self._ready.extend((at, topic, e) for _, e in self._held.pop(topic, ()))
+
+    def behind(self, topic: str, event: bytes) -> bool:
+        """Queue ``event`` behind held events of its topic still to be handed over (order kept);
+        False when there are none (deliver it now)."""
+        with self._lock:
+            at = max((a for a, t, _ in self._ready if t == topic), default=None)
+            if at is None:
+                return False
+            self._ready.append((at, topic, event))
+            return True
+
+    def due(self, now: float) -> Optional[tuple[str, bytes]]:
+        with self._lock:
+            if self._ready and self._ready[0][0] <= now:
+                _, topic, event = self._ready.pop(0)
+                return topic, event
+        return None
+
+    def count(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._held.values()) + len(self._ready)
 
 
 def _queue_class(ding_type: str) -> type:
@@ -271,7 +369,9 @@ def _args_parser(cls: type, n_parallel_workers: int, mq_type: str, attach_to: An
     for n_id in ids:
         opts = {**per_node[n_id], **extras, **options}
         dials = opts.get("attach_to") or [f"node:{t}" for t in attach_targets(n_id, ids, topology)]
-        spec = WorkerSpec(kind, n_id, label_set, opts, tuple(dials))
+        talks_to = sorted(set(attach_targets(n_id, ids, topology))
+                          | {m for m in ids if n_id in attach_targets(m, ids, topology)})
+        spec = WorkerSpec(kind, n_id, label_set, opts, tuple(dials), tuple(talks_to))
         params.append({"node_id": n_id, "n_parallel_workers": n, "labels": set(label_set),
                        "auto_recover": auto_recover, "max_retries": max_retries, "mq_type": mq_type,
                        "startup_interval": startup_interval, "mq_spec": spec})
