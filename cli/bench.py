@@ -100,7 +100,7 @@ def _fail(message: str) -> click.ClickException:
 @click.option("--suite", is_flag=True,
               help="the full table: every mq type and route this machine has, same host and "
                    "--two-hosts, round trip at every size plus oneway (to 40MB), fanout and call "
-                   "(to 10MB) and stream; writes json/csv/md/png into --out (default bench-results/).")
+                   "(to 10MB) and stream; writes json/csv/md/png into --out (default bench-results/suite/).")
 @click.option("--no-baseline", is_flag=True, help="skip the raw pynng / raw torch RPC rows.")
 @click.option("--no-links", is_flag=True, help="skip the raw socket stream (link ceiling) measurement.")
 @click.option("--split-cpus", is_flag=True,
@@ -161,7 +161,7 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
     if suite:
         mode_sizes.update({m: [s for s in size_list if s <= cap] or size_list[:1]
                            for m, cap in SUITE_MODE_MAX_SIZE.items()})
-        out_dir = out_dir or "bench-results"
+        out_dir = out_dir or "bench-results/suite"
         plot_path = plot_path or os.path.join(out_dir, "bench.png")
         if device == "cpu" and lib.cuda_available():
             devices["torchrpc:cuda"] = "cuda"  # the point of that mq type

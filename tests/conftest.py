@@ -50,3 +50,21 @@ def no_leaked_children():
         p.kill()
         p.join(2)
     assert not leaked, f"test left {len(leaked)} child process(es) running: {leaked}"
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config):
+    """Last: what did not run, grouped by why (each reason says what makes it run), so that a
+    skip does not pass for a pass (DI-engine tests without .ding-venv, GPU tests without a GPU)."""
+    yield
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    groups: dict[str, int] = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        groups[reason] = groups.get(reason, 0) + 1
+    terminalreporter.section(f"not run: {len(skipped)} tests, by reason")
+    for reason, n in sorted(groups.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{n:5d}  {reason}")

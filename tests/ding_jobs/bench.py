@@ -1,7 +1,7 @@
 """DI-engine ``emit``/``on`` latency and throughput on DI-engine's own nng bus against ``mq:nng``
 and ``mq:torchrpc:cpu``, in one run (issue 25, item 4). It runs in DI-engine's environment:
 
-    .ding-venv/bin/python -m tests.ding_jobs.bench --runs 3 --out bench-results/ding-emit.md
+    .ding-venv/bin/python -m tests.ding_jobs.bench --runs 3 --out FILE   # scripts/bench-pages ding
 
 Every job is ``Parallel.runner(n_parallel_workers=2, mq_type=BUS, startup_interval=0)(worker)``
 (DI-engine's launcher, its defaults otherwise: ``protocol="ipc"``, mesh), started in a process
