@@ -5,6 +5,7 @@ mq.tools.hotpath does), so the race is made to happen every time; the backends' 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -40,24 +41,32 @@ class ReceiptFirst(CaptureTransport):
             assert self.pinged.wait(5), "the receiver never sent the receipt it owed"
 
 
-@pytest.fixture
-def racing_pair():
-    pinged = threading.Event()
-    t0, t1 = ReceiptFirst(0, pinged), ReceiptFirst(1, pinged)
-    t0.other, t1.other = t1, t0
+@contextlib.contextmanager
+def joined(receiver_transport: CaptureTransport, sender_transport: CaptureTransport, **receiver_options):
+    """Node 0 (the receiver) and node 1 (the sender) over two capture transports, joined; both
+    stopped after (whatever they still owe is not the point of these tests)."""
+    receiver_transport.other, sender_transport.other = sender_transport, receiver_transport
     common = dict(shm=False, secret="flow-control-secret", heartbeat=3000, peer_timeout=3000)
-    receiver = mq.MQ(0, transport=t0, queue_size=QUEUE, **common)
-    sender = mq.MQ(1, transport=t1, **common)
+    receiver = mq.MQ(0, transport=receiver_transport, **receiver_options, **common)
+    sender = mq.MQ(1, transport=sender_transport, **common)
     receiver.listen()
     sender.listen()
     try:
         sender.wait_for_peers(1, timeout=5)
         receiver.wait_for_peers(1, timeout=5)
-        t1.receipt_due = lambda: receiver._peers.get(1).rx % (QUEUE // 4) == 0  # (Dispatch)
         yield sender, receiver
     finally:
         sender.stop(2, raise_undelivered=False)
         receiver.stop(2, raise_undelivered=False)
+
+
+@pytest.fixture
+def racing_pair():
+    pinged = threading.Event()
+    t0, t1 = ReceiptFirst(0, pinged), ReceiptFirst(1, pinged)
+    with joined(t0, t1, queue_size=QUEUE) as (sender, receiver):
+        t1.receipt_due = lambda: receiver._peers.get(1).rx % (QUEUE // 4) == 0  # (Dispatch)
+        yield sender, receiver
 
 
 def test_a_receipt_that_beats_its_send_still_opens_the_window(racing_pair):
@@ -107,15 +116,7 @@ def test_a_receipt_that_failed_is_sent_again_without_new_frames():
     # a heartbeat tick later, lets it go on (before, it waited for the next heartbeat: 3000 s).
     pinged = threading.Event()
     t0, t1 = ReceiptsFail(0, pinged), ReceiptFirst(1, pinged, each=False)
-    t0.other, t1.other = t1, t0
-    common = dict(shm=False, secret="flow-control-secret", heartbeat=3000, peer_timeout=3000)
-    receiver = mq.MQ(0, transport=t0, queue_size=QUEUE, **common)
-    sender = mq.MQ(1, transport=t1, **common)
-    receiver.listen()
-    sender.listen()
-    try:
-        sender.wait_for_peers(1, timeout=5)
-        receiver.wait_for_peers(1, timeout=5)
+    with joined(t0, t1, queue_size=QUEUE) as (sender, receiver):
         pinged.clear()
         t0.received = lambda: receiver._peers.get(1).rx
         t1.receipt_due = lambda: not pinged.is_set() and t0.received() == QUEUE // 4  # the first
@@ -123,30 +124,15 @@ def test_a_receipt_that_failed_is_sent_again_without_new_frames():
             sender.send(0, "t", i, timeout=5)
             assert receiver.recv(timeout=2).payload == i
         assert t0.failed_at_full
-    finally:
-        sender.stop(2, raise_undelivered=False)
-        receiver.stop(2, raise_undelivered=False)
 
 
 def test_flush_towards_a_peer_that_left_after_confirming_everything_returns():
     # Its goodbye carried its receipt: everything arrived, so flush() has nothing to report
     # (before: PeerLost, as if frames were lost).
-    t0, t1 = CaptureTransport(0), CaptureTransport(1)
-    t0.other, t1.other = t1, t0
-    common = dict(shm=False, secret="flow-control-secret", heartbeat=3000, peer_timeout=3000)
-    receiver = mq.MQ(0, transport=t0, **common)
-    sender = mq.MQ(1, transport=t1, **common)
-    receiver.listen()
-    sender.listen()
-    try:
-        sender.wait_for_peers(1, timeout=5)
-        receiver.wait_for_peers(1, timeout=5)
+    with joined(CaptureTransport(0), CaptureTransport(1)) as (sender, receiver):
         for i in range(5):
             sender.send(0, "t", i, timeout=2)
         assert [receiver.recv(timeout=2).payload for _ in range(5)] == list(range(5))
         receiver.stop(2)
         assert sender._peers.get(0).lost
         sender.flush(0, timeout=2)
-    finally:
-        sender.stop(2, raise_undelivered=False)
-        receiver.stop(2, raise_undelivered=False)
