@@ -10,6 +10,7 @@
     ├── PeerLost(ConnectionError)    the peer died or became unreachable
     ├── RemoteError                  the peer's handler raised; type and message kept
     ├── StreamError                  a stream's counts do not add up (lost, reordered, restarted)
+    ├── Undelivered                  stop() closed before peers confirmed every frame (counts)
     └── ClosedError                  you used a queue after stop()
 
 Backends translate their native errors into this tree at one place each.
