@@ -7,9 +7,6 @@ from setuptools import find_packages, setup
 # scripts/fuzz falls back to a bounded hypothesis run (and says so).
 ATHERIS = 'atheris>=2.3; python_version < "3.12" and sys_platform == "linux" and platform_machine == "x86_64"'
 
-# The docs site (mkdocs.yml, docs/): tests/test_docs.py builds it with --strict.
-DOCS = ["mkdocs-material>=9.5", "mkdocstrings[python]>=1.0"]
-
 setup(
     name="mq",
     version="0.1.0",
@@ -31,12 +28,14 @@ setup(
         "msgspec>=0.18",  # the handshake schemas (mq.handshake)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", ATHERIS, *DOCS],
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", ATHERIS],
         "bench": ["matplotlib>=3.7", "pyzmq>=25"],
         "gpu": ["nvidia-ml-py>=12"],
         "atari": ["gymnasium>=1.0", "ale-py>=0.12"],
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", ATHERIS, *DOCS, "matplotlib>=3.7", "pyzmq>=25",
-                "ruff"],
+        # The docs site (mkdocs.yml, docs/): tests/test_docs.py builds it with --strict.
+        "docs": ["mkdocs-material>=9.5", "mkdocstrings[python]>=1.0"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", ATHERIS, "matplotlib>=3.7", "pyzmq>=25",
+                "mkdocs-material>=9.5", "mkdocstrings[python]>=1.0", "ruff"],
     },
     entry_points={"console_scripts": ["mq=mq.cli.main:main"]},
 )
