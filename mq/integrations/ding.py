@@ -281,6 +281,8 @@ class _HeldEvents:
     def behind(self, topic: str, event: bytes) -> bool:
         """Queue ``event`` behind held events of its topic still to be handed over (order kept);
         False when there are none (deliver it now)."""
+        if not self._ready:  # the common case, per event: no lock (a list's truth is atomic)
+            return False
         with self._lock:
             at = max((a for a, t, _ in self._ready if t == topic), default=None)
             if at is None:
@@ -289,6 +291,8 @@ class _HeldEvents:
             return True
 
     def due(self, now: float) -> Optional[tuple[str, bytes]]:
+        if not self._ready:  # the common case, per recv: no lock
+            return None
         with self._lock:
             if self._ready and self._ready[0][0] <= now:
                 _, topic, event = self._ready.pop(0)
