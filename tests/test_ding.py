@@ -167,6 +167,16 @@ def test_emit_benchmark_runs_on_every_bus(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-6000:]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mq_type", ["mq:nng", "mq:torchrpc:cpu"])
+def test_a_forked_child_of_a_worker_ends_on_terminate(mq_type: str) -> None:
+    """DI-engine's StorageLoader forks its children from a worker and stops them with
+    terminate(); the worker pool's SIGTERM handler, inherited, turned that into an exception
+    the child caught, and shutdown() hung in join() (mq:torchrpc:cpu: 2 runs of 10 under load)."""
+    out = run_job([str(DING_PY), "-m", "tests.ding_jobs.forked_child", mq_type], timeout=100)
+    assert f"CHILD exitcode={-signal.SIGTERM}" in out.stdout, out.stdout[-4000:]
+
+
 @pytest.mark.timeout(60)
 def test_unknown_mq_type_is_one_clear_error() -> None:
     code = ("import mq.integrations.ding\nfrom ding.framework import Parallel\n"

@@ -49,6 +49,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -130,6 +131,7 @@ class MQOnDing(DingMQ):
         self._error: Optional[BaseException] = None
         self._held = _HeldEvents()
         self._warned: set[str] = set()
+        _children_take_their_stop_signal()
 
     # ------------------------------------------------------------------ DI-engine's interface
     def listen(self) -> None:
@@ -313,6 +315,35 @@ _CLASSES = {t: _queue_class(t) for t in MQ_TYPES}
 for _name, _cls in _CLASSES.items():
     globals()[_cls.__name__] = _cls  # picklable by name
     MQ_REGISTRY.register(_name, _cls, force_overwrite=True)  # idempotent: a re-import overwrites
+
+
+# ---------------------------------------------------------------------- forked children
+_POOL_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_fork_hook_installed = False
+
+
+def _children_take_their_stop_signal() -> None:
+    """A child forked by this worker gets SIGTERM's and SIGHUP's default action where the
+    worker's handlers are those of DI-engine's worker pool (mpire). Idempotent.
+
+    DI-engine's ``Supervisor`` forks its children (``StorageLoader``) from a worker and stops
+    them with a SHUTDOWN message followed at once by ``terminate()``. The child inherits mpire's
+    handler, which raises ``RuntimeError`` into whatever it runs; the child's loop catches it
+    and goes on. When SIGTERM lands while the SHUTDOWN message is being read, that message is
+    lost, the queue's framing breaks, and the child never exits: ``shutdown()`` then hangs in
+    ``join()`` (or fails on ``close()``), and the job with it.
+    """
+    global _fork_hook_installed
+    if not _fork_hook_installed:
+        os.register_at_fork(after_in_child=_reset_pool_handlers)
+        _fork_hook_installed = True
+
+
+def _reset_pool_handlers() -> None:
+    for signum in _POOL_SIGNALS:
+        handler = signal.getsignal(signum)
+        if getattr(handler, "__module__", "").startswith("mpire."):  # the pool's, not the user's
+            signal.signal(signum, signal.SIG_DFL)
 
 
 # ---------------------------------------------------------------------- worker arguments
