@@ -18,27 +18,12 @@ import click
 import mq.forksafe as forksafe
 from mq.locality import Locality, local
 from mq import auth as _auth
-from mq.backends.torchrpc.tensorpipe import tensorpipe_options
-from mq.routing import BACKEND_ROUTES, select_route
+from mq.registry import backends
+from mq.routing import select_route
 
 __all__ = ["doctor", "report"]
 
 _OTHER_BOOT_ID = "00000000-0000-0000-0000-000000000000"
-
-#: What torchrpc leaves open that mq cannot close (TensorPipe's and torch's store's own trust
-#: model), beside mq.auth's summary: said where a user picks a backend.
-TORCHRPC_EXPOSURE = {
-    "hostile_input": "a few KiB of random bytes sent to TensorPipe's port abort the node "
-                     "(std::bad_alloc, exit -6), and its listener can stop accepting after one "
-                     "connect and close: anyone who reaches the port can stop the job",
-    "store": "the rendezvous store (torch TCPStore, hosted by node 0 on every interface of its "
-             "host) is open to anyone who reaches it: mq signs what it writes there and refuses "
-             "(and logs) an entry without the job's signature, but torch's own entries are "
-             "unsigned, and insecure=True signs nothing",
-    "warning": "a node whose TensorPipe listens where other hosts can reach it logs one "
-               "warning naming the interface (logger mq.torchrpc)",
-}
-
 
 def _section(fn: Callable[[], Any]) -> Any:
     try:
@@ -63,27 +48,11 @@ def _torch() -> dict[str, Any]:
     return out
 
 
-def _tensorpipe(me: Locality, peers: Mapping[int, Locality]) -> dict[str, Any]:
-    present = False
-    try:
-        import torch.distributed.rpc as rpc
-
-        present = bool(rpc.is_available()) and hasattr(rpc, "TensorPipeRpcBackendOptions")
-        present = present and hasattr(rpc.BackendType, "TENSORPIPE")
-    except Exception:
-        present = False
-    return {
-        "backend_present": present,
-        "options": tensorpipe_options(me, peers, cuda=bool(me.gpus)),
-    }
-
-
-def _pynng() -> dict[str, Any]:
-    # Read the installed version without importing pynng (and its native library).
-    try:
-        return {"available": True, "version": importlib.metadata.version("pynng")}
-    except importlib.metadata.PackageNotFoundError:
-        return {"available": False, "version": None}
+def _backends(me: Locality, peers: Mapping[str, Locality]) -> dict[str, Any]:
+    """Each backend: what it is, its mq types and routes, and its own section."""
+    return {b.name: {"summary": b.summary, "mq_types": list(b.mq_types), "routes": sorted(b.routes),
+                     "launchable": b.launch is not None, **_section(lambda b=b: b.doctor_section(me, peers))}
+            for b in backends().values()}
 
 
 def _gpus(me: Locality) -> dict[str, Any]:
@@ -150,8 +119,8 @@ def _shm() -> dict[str, Any]:
 
 
 def _trust() -> dict[str, Any]:
-    state = _auth.state()
-    return state | {"torchrpc": {"summary": state["torchrpc"], **TORCHRPC_EXPOSURE}}
+    """mq's own trust state, and per backend what it leaves open that mq cannot close."""
+    return _auth.state() | {b.name: b.trust_notes() for b in backends().values() if b.trust}
 
 
 def _route(route: Any) -> dict[str, Any]:
@@ -170,22 +139,24 @@ def sample_peers(me: Locality) -> dict[str, Locality]:
 def report(locality: Locality | None = None, *, probe_cuda: bool = False) -> dict[str, Any]:
     """Everything ``mq doctor`` prints, as one JSON-safe dict.
 
-    Keys: node, container, fork_safety, rdma, gpus, gpu_pairs, torch, tensorpipe, pynng, shm,
-    trust, routes. ``probe_cuda`` opens an mq CUDA pool from a second process per GPU pair.
-    Routes hold, per backend (``nng``, ``torchrpc``), the route to a sample local and remote peer;
-    ``trust["torchrpc"]`` what torch RPC leaves open that mq cannot close.
+    Keys: node, container, fork_safety, rdma, gpus, gpu_pairs, torch, backends, shm, trust,
+    routes. ``probe_cuda`` opens an mq CUDA pool from a second process per GPU pair.
+    ``backends`` holds each backend's summary and own section (torchrpc: ``tensorpipe``; nng:
+    ``pynng``); routes hold, per backend whose nodes run in processes of their own, the route
+    to a sample local and remote peer; ``trust[<backend>]`` what a backend leaves open that mq
+    cannot close.
     """
     me = local() if locality is None else locality
     peers = sample_peers(me)
     shm = _section(_shm)
     data_paths = {"shm"} if shm.get("available") else set()
     routes = {
-        backend: {
-            where: _section(lambda peer=peer, supported=supported | data_paths:
+        b.name: {
+            where: _section(lambda peer=peer, supported=b.routes | (b.data_paths & data_paths):
                             _route(select_route(me, peer, supported=supported)))
             for where, peer in peers.items()
         }
-        for backend, supported in BACKEND_ROUTES.items()
+        for b in backends().values() if b.launch is not None
     }
     return {
         "node": _section(
@@ -201,8 +172,7 @@ def report(locality: Locality | None = None, *, probe_cuda: bool = False) -> dic
         "gpus": _section(lambda: _gpus(me)),
         "gpu_pairs": _section(lambda: _gpu_pairs(me, probe_cuda)),
         "torch": _section(_torch),
-        "tensorpipe": _section(lambda: _tensorpipe(me, {1: peers["local"], 2: peers["remote"]})),
-        "pynng": _section(_pynng),
+        "backends": _section(lambda: _backends(me, peers)),
         "shm": shm,
         "trust": _section(_trust),
         "routes": routes,
@@ -336,39 +306,32 @@ def _software_table(rep: dict[str, Any]) -> Any:
     table = Table(title="software", title_justify="left")
     table.add_column("component")
     table.add_column("status")
-    _torch_rows(table, rep["torch"], rep["tensorpipe"])
-    pn = rep["pynng"]
-    table.add_row("pynng", pn.get("version") or "[red]missing[/red]")
-    if pn.get("version"):
-        table.add_row("  waits", "recv()/call() poll up to 0.5 ms before sleeping while answers come "
-                                 "that fast (busy_poll=False, mq run --no-busy-poll: sleep at once)")
+    _torch_rows(table, rep["torch"])
+    for name, b in rep["backends"].items() if "error" not in rep["backends"] else ():
+        table.add_row(f"backend {name}", f"{b['summary']} (mq types {', '.join(b['mq_types'])})")
+        if "error" in b:
+            table.add_row("", f"[red]{b['error']}[/red]")
+        for component, status in b.get("rows", ()):
+            table.add_row(component, status)
     tr = rep["trust"]
     if "error" not in tr:
         table.add_row("trust", f"joins authenticated; secret from {tr['secret']}; {tr['opt_out']}")
-        for key, text in tr["torchrpc"].items():
-            table.add_row("  torchrpc" if key == "summary" else "", f"[yellow]{text}[/yellow]")
+        for name, notes in tr.items():
+            if isinstance(notes, dict):
+                for key, text in notes.items():
+                    table.add_row(f"  {name}" if key == "summary" else "", f"[yellow]{text}[/yellow]")
     sh = rep["shm"]
     table.add_row("shm data path", ("available: " if sh.get("available") else "[yellow]unavailable[/yellow]: ")
                   + str(sh.get("why") or sh.get("error")))
     return table
 
 
-def _torch_rows(table: Any, t: dict[str, Any], tp: dict[str, Any]) -> None:
+def _torch_rows(table: Any, t: dict[str, Any]) -> None:
     if "error" in t and not t.get("available"):
         table.add_row("torch", f"[red]missing[/red] ({t['error']})")
     else:
         table.add_row("torch", f"{t.get('version')} (CUDA build {t.get('cuda_build') or 'none'})")
         table.add_row("torch.distributed.rpc", "available" if t.get("rpc_available") else "[red]unavailable[/red]")
-    if "error" in tp:
-        table.add_row("TensorPipe", f"[red]{tp['error']}[/red]")
-        return
-    table.add_row("TensorPipe", "backend present" if tp["backend_present"] else "[red]absent[/red]")
-    transports = ", ".join(tp["options"]["_transports"])
-    if "shm" in tp["options"]["_transports"]:
-        transports += (" [yellow](shm busy-polls one CPU core per torchrpc process: "
-                       "busy_poll=False, mq run --no-busy-poll)[/yellow]")
-    table.add_row("  transports", transports)
-    table.add_row("  channels", ", ".join(tp["options"]["_channels"]))
 
 
 def _routes_table(routes: dict[str, Any]) -> Any:

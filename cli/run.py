@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import sys
+from typing import Any, Callable
 
 import click
 
 from mq.errors import ConfigError, MQError
-from mq.launch_profiles import launchable_mq_types
 from mq.platforms import PLATFORMS
+from mq.registry import backend_for, backends, launchable_mq_types
 from mq.rendezvous import TOPOLOGIES
+
+
+def _parsed(mq_type: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The backend flags given on the command line, parsed by the chosen backend's flags."""
+    try:
+        flags = {f.option: f for f in backend_for(mq_type).flags}
+    except ConfigError:
+        flags = {}  # an unknown --mq-type: make_plan says so
+    return {k: flags[k].parse(v) if k in flags and flags[k].parse and isinstance(v, str) else v
+            for k, v in given.items() if v is not None}
 
 
 def _int_list(value: str | None, what: str) -> list[int] | None:
@@ -25,6 +36,26 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
     return out
 
 
+def _backend_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One click option per backend flag (``Backend.flags``), named and explained by the
+    backends that take it; the value reaches ``run`` as text (or a bool) in ``backend_flags``."""
+    takers: dict[str, list] = {}
+    for b in backends().values():
+        if b.launch is not None:
+            for f in b.flags:
+                takers.setdefault(f.option, []).append((b, f))
+    for option, pairs in sorted(takers.items(), reverse=True):
+        b0, f0 = pairs[0]
+        help_ = " ".join(f"{b.name}: {b.flag_help(option)}" for b, _ in pairs)
+        name = f0.cli_name
+        if b0.flag_is_switch(option):
+            decl = click.option(f"{name}/--no-{name[2:]}", option, default=None, help=help_)
+        else:
+            decl = click.option(name, option, default=None, metavar=f0.metavar, help=help_)
+        command = decl(command)
+    return command
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--main", "main_", required=True, metavar="MODULE:FUNC",
               help="Function each worker runs as main(ctx); module:func or module.func.")
@@ -34,12 +65,10 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
               help="Workers (nodes) to start on this machine [default: 1; under --platform slurm, "
                    "one worker per srun task, while -n W runs W per host with one task per host].")
 @click.option("--mq-type", default="nng", show_default=True, metavar="|".join(launchable_mq_types()),
-              help="Backend: nng, torchrpc:cpu (GPU tensors staged via host) or torchrpc:cuda "
-                   "(device to device through device maps).")
+              help="Backend: " + "; ".join(f"{', '.join(b.mq_types)}: {b.summary}"
+                                           for b in backends().values() if b.launch is not None) + ".")
 @click.option("--topology", default="mesh", show_default=True, metavar="|".join(TOPOLOGIES),
               help="Who connects to whom: every pair, everyone to the first node, or nobody.")
-@click.option("--protocol", default="auto", show_default=True, metavar="auto|tcp|ipc",
-              help="nng: auto picks the best route per peer (inproc/ipc/tcp); tcp or ipc force one.")
 @click.option("--address", default=None,
               help="Host/IP this machine's workers listen on [default: 127.0.0.1; derived from "
                    "the host list under --platform slurm|k8s].")
@@ -61,15 +90,6 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
               help="Nodes in the whole job (all machines). Default: max node id + 1.")
 @click.option("--init-method", default=None, metavar="tcp://H:P|env://|file://PATH",
               help="Rendezvous for torchrpc (and nng without --ports).")
-@click.option("--local-cuda-devices", default=None, metavar="0,1",
-              help="torchrpc:cuda: logical GPU indices this node uses.")
-@click.option("--cuda-device-map", default=None, metavar="PEER_LOCAL_PEERGPU,...",
-              help="torchrpc:cuda: device map, e.g. 1_0_1,2_0_2 (peer 1: local GPU 0 -> its GPU 1).")
-@click.option("--busy-poll/--no-busy-poll", "busy_poll", default=None,
-              help="Spin rather than sleep while waiting (both on by default). nng: a recv() or "
-                   "call() polls up to 0.5 ms before sleeping, while answers come that fast. "
-                   "torchrpc: TensorPipe's same-host shm transport spins one CPU core per process. "
-                   "--no-busy-poll: every wait sleeps (nng), loopback TCP (torchrpc).")
 @click.option("--platform", default="local", show_default=True, metavar="|".join(PLATFORMS),
               help="Derive node ids, addresses and ports from the scheduler's environment.")
 @click.option("--startup-interval", type=float, default=0.0, show_default=True,
@@ -79,12 +99,13 @@ def _int_list(value: str | None, what: str) -> list[int] | None:
               help="Log level of the workers.")
 @click.option("--timeout", "job_timeout", type=float, default=None,
               help="Stop the job after this many seconds (default: no limit).")
+@_backend_flags
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: str, topology: str,
-        protocol: str, address: str | None, ports: str | None, attach_to: str | None,
+        address: str | None, ports: str | None, attach_to: str | None,
         node_ids: str | None, labels: tuple[str, ...], roles: str | None, world_size: int | None, init_method: str | None,
-        local_cuda_devices: str | None, cuda_device_map: str | None, busy_poll: bool | None, platform: str,
-        startup_interval: float, log_level: str, job_timeout: float | None, args: tuple[str, ...]) -> None:
+        platform: str, startup_interval: float, log_level: str, job_timeout: float | None, args: tuple[str, ...],
+        **backend_flags: Any) -> None:
     """Launch this machine's workers of a job; each runs MAIN(ctx) with its open queue.
 
     Extra ARGS after `--` reach the workers as ctx.args["argv"].
@@ -97,23 +118,21 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
       srun -N2 -n4 mq run --platform slurm --main mypkg:main --roles 'learner:1,collector:*'
       srun -N2 --ntasks-per-node=1 mq run --platform slurm -n 2 --main mypkg:main ...
     """
-    from mq import device_map
     from mq.launch import LaunchError, make_plan, run_plan
-    from mq.backends.nng.options import check_address
+    from mq.backends.nng.options import check_address  # --attach-to takes nng addresses
 
     try:
         attach = [check_address(a.strip(), "--attach-to address") for a in (attach_to or "").split(",") if a.strip()]
+        given = _parsed(mq_type, backend_flags)
         if len(labels) > 1 and platform == "local" and len(labels) != (parallel_workers or 1):
             raise ConfigError(f"--labels given {len(labels)} times for {parallel_workers or 1} workers: "
                               "give it once (all workers) or once per worker")
         plan = make_plan(
             main_, n_workers=parallel_workers, mq_type=mq_type, topology=topology,
             labels=list(labels) if len(labels) > 1 else (labels[0] if labels else None), roles=roles,
-            node_ids=_int_list(node_ids, "--node-ids"), world_size=world_size, protocol=protocol,
+            node_ids=_int_list(node_ids, "--node-ids"), world_size=world_size,
             address=address, ports=_int_list(ports, "--ports"), attach_to=attach,
-            init_method=init_method,
-            local_cuda_devices=device_map.parse_devices(local_cuda_devices) if local_cuda_devices else None,
-            cuda_device_map=cuda_device_map, busy_poll=busy_poll, platform=platform,
+            init_method=init_method, backend_options=given, platform=platform,
             startup_interval=startup_interval, log_level=log_level, package=package,
             args={"argv": list(args)})
     except ConfigError as exc:

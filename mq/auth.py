@@ -151,13 +151,6 @@ def _read_or_create(path: str) -> bytes:
     return key
 
 
-TORCHRPC_RISK = ("torchrpc: mq authenticates its joins and signs its rendezvous values, but torch "
-                 "RPC's TensorPipe agent accepts any connection and unpickles Python-function "
-                 "RPCs: whoever reaches its port can run code in the node. mq binds it to "
-                 "loopback for one-host jobs; across hosts run torchrpc only on a trusted network "
-                 "(or use nng).")
-
-
 def state() -> dict[str, Any]:
     """The trust state a new node would have, for ``mq doctor`` (never the key; creates
     nothing)."""
@@ -172,5 +165,4 @@ def state() -> dict[str, Any]:
             bad = mode & (stat.S_IRWXG | stat.S_IRWXO)
             source = f"file {path} (mode {mode:o}{': readable by others, run chmod 600' if bad else ''})"
     return {"authenticated": True, "secret": source,
-            "opt_out": "mq.create(..., insecure=True) turns authentication off",
-            "torchrpc": TORCHRPC_RISK}
+            "opt_out": "mq.create(..., insecure=True) turns authentication off"}

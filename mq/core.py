@@ -33,10 +33,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterable
 
 from mq import auth as _auth
-from mq import cuda_ipc as _cuda_ipc
 from mq import fanout as _fanout
 from mq import metrics as _metrics
-from mq import shm as _shm
 from mq.calls import Calls, remote_error
 from mq.codec import MSG, REP_OK, REQ, SUBS, Codec
 from mq.delivery import Delivery
@@ -47,6 +45,8 @@ from mq.lifecycle import STOPPED, Lifecycle
 from mq.liveness import Liveness
 from mq.locality import Locality, local
 from mq.message import Message
+from mq.node_options import NodeOptions
+from mq.node_options import seconds as _seconds
 from mq.peers import MIN_WINDOW, PeerTable, domain
 from mq.routing import Route
 from mq.sender import Sender
@@ -55,9 +55,6 @@ from mq.transport import Transport
 
 log = logging.getLogger("mq")
 
-DEFAULT_TIMEOUT_S = 30.0
-# Longer waits are capped: threading refuses timeouts past ~292 years (OverflowError).
-_MAX_TIMEOUT_S = 365 * 86400.0
 
 
 class MQ:
@@ -67,62 +64,35 @@ class MQ:
         node_id: this node's unique integer id.
         labels: roles of this node (``{"learner"}``); peers find it with ``peers(label=)``.
         transport: what moves frames (built by :func:`mq.create` from the mq type).
-        queue_size: bound of the receive queue; a full queue makes senders wait (backpressure).
-        timeout: default timeout in seconds of ``send``/``publish``/``call``/``recv``.
-        allow_pickle: let the codec pickle what it cannot carry, and unpickle it on receive.
-            Only between trusted peers; off by default.
-        handler_threads: threads serving ``on`` handlers.
-        max_frame_bytes: larger incoming frames are dropped and counted.
-        shm: use the shared-memory data path with same-host peers (route ``shm``).
-        shm_pool_bytes: bound of this node's pool (default: a quarter of RAM, at most 4 GiB);
-            receivers holding every slot make senders wait (backpressure).
-        shm_inline_max: buffers smaller than this stay inline in the frame (default 64 KiB).
-        cuda: use the cuda_ipc data path (route ``nvlink``) for CUDA tensors to same-host peers;
-            False stages them through host memory.
-        cuda_pool_bytes: bound of this node's pool on each GPU it sends from (default: a
-            sixteenth of the GPU's memory, at most 4 GiB); it is also the backpressure bound.
-        cuda_inline_max: GPU tensors smaller than this are staged through host memory even
-            to nvlink peers (default 64 KiB: measured, a small copy beats a descriptor there).
-        queue_bytes: bound in bytes of each receive queue (messages of 64 KiB and more count;
-            smaller ones are bounded by ``queue_size``); a full queue is backpressure.
-        secret: the job secret peers must prove they know (default: ``MQ_SECRET``, else a
-            per-user file; see :mod:`mq.auth`).
-        insecure: turn authentication off: any process that reaches this node may join.
-        heartbeat: seconds between liveness probes of each peer.
-        peer_timeout: a peer silent this long is lost (its host crashed or the network broke):
-            blocked senders and callers get :class:`~mq.errors.PeerLost`. Detection takes at most
-            ``peer_timeout + heartbeat`` seconds (5 s by default). Time this process itself was
-            not scheduled does not count against peers.
+        codec: how payloads become frames (default: mq's, with ``allow_pickle``).
+        mq_type: the mq type it was made as (peers see it in the join).
+        options: the node's own options (:class:`~mq.node_options.NodeOptions`: ``queue_size``,
+            ``timeout``, ``heartbeat``, ...), given as keywords; validated once, here.
     """
 
     def __init__(self, node_id: int, labels: Iterable[str] | str | None = None, *,
-                 transport: Transport, queue_size: int = 1024, timeout: float = DEFAULT_TIMEOUT_S,
-                 allow_pickle: bool = False, handler_threads: int = 4, codec: Codec | None = None,
-                 max_frame_bytes: int = 4 << 30, shm: bool = True,
-                 shm_pool_bytes: int = _shm.DEFAULT_POOL_BYTES,
-                 shm_inline_max: int = _shm.DEFAULT_INLINE_MAX, queue_bytes: int = 256 << 20,
-                 cuda: bool = True, cuda_pool_bytes: int | None = None,
-                 cuda_inline_max: int = _cuda_ipc.DEFAULT_INLINE_MAX,
-                 secret: str | bytes | None = None, insecure: bool = False,
-                 heartbeat: float = 1.0, peer_timeout: float = 4.0, mq_type: str | None = None,
-                 relay_min_bytes: int | None = _fanout.DEFAULT_RELAY_MIN_BYTES, relay_shape: str = "auto"):
-        _check_options(node_id, labels, queue_size, timeout, max_frame_bytes, queue_bytes, handler_threads,
-                       heartbeat, peer_timeout)
+                 transport: Transport, codec: Codec | None = None, mq_type: str | None = None,
+                 **options: Any):
+        _check_identity(node_id, labels)
+        self.options = opts = NodeOptions.of(options)
         self.node_id = node_id
         self.labels = frozenset([labels] if isinstance(labels, str) else (labels or ()))
-        self.timeout = float(timeout)
+        self.timeout = opts.timeout
         self.transport = transport
         self.backend_name = transport.name
         self.mq_type = mq_type or transport.name
-        self.max_frame_bytes = max_frame_bytes
-        self.codec = codec or Codec(allow_pickle=allow_pickle)
+        self.max_frame_bytes = opts.max_frame_bytes
+        self.codec = codec or Codec(allow_pickle=opts.allow_pickle)
         self.codec.keep_tensors = transport.keeps_tensors
-        self.codec.max_frame_bytes = max_frame_bytes
+        self.codec.max_frame_bytes = opts.max_frame_bytes
         self.locality: Locality = local()
         self.incarnation = uuid.uuid4().hex
-        self.secret = _auth.resolve_secret(secret, insecure)  # the transport signs with it too
-        self.heartbeat = float(heartbeat)
-        self.peer_timeout = float(peer_timeout)
+        self.secret = _auth.resolve_secret(opts.secret, opts.insecure)  # the transport signs with it too
+        self.heartbeat = opts.heartbeat
+        self.peer_timeout = opts.peer_timeout
+        # The collaborators, each built from what it needs and only from those built before it:
+        # state (life, stats, metrics, peers), then sending, calls, liveness, delivery, joining,
+        # fan-out, and dispatch, which reads every frame and so takes all of them.
         self._life = life = Lifecycle()
         self._stats = stats = Stats()
         self._metrics = metrics = _metrics.Metrics()
@@ -130,29 +100,31 @@ class MQ:
         # host_of(node_id), asked by every large publish: the descriptor's to_dict() cost ~60 us
         self._peers = peers = PeerTable(node_id, life, domain(self.locality.to_dict()))
         self._sender = sender = Sender(node_id, transport, self.codec, peers, life, stats, metrics,
-                                       shm=shm, shm_options=(shm_pool_bytes, shm_inline_max),
-                                       cuda=cuda, cuda_pool_bytes=cuda_pool_bytes,
-                                       cuda_inline_max=cuda_inline_max,
+                                       shm=opts.shm, shm_options=(opts.shm_pool_bytes, opts.shm_inline_max),
+                                       cuda=opts.cuda, cuda_pool_bytes=opts.cuda_pool_bytes,
+                                       cuda_inline_max=opts.cuda_inline_max,
                                        incarnation=self.incarnation)
         self._calls = calls = Calls(node_id, sender, peers, transport, self.codec, life, stats, refusals,
-                                    handler_threads=handler_threads, timeout=self.timeout)
+                                    handler_threads=opts.handler_threads, timeout=self.timeout)
         self._liveness = liveness = Liveness(node_id, sender, peers, calls, life, heartbeat=self.heartbeat,
                                              peer_timeout=self.peer_timeout)
         self._delivery = delivery = Delivery(node_id, transport, life, metrics, calls.handler_slots,
-                                             liveness.stalled, queue_size=queue_size, queue_bytes=queue_bytes)
+                                             liveness.stalled, queue_size=opts.queue_size,
+                                             queue_bytes=opts.queue_bytes)
+        window = max(opts.queue_size, MIN_WINDOW)
         hello = {"labels": sorted(self.labels), "locality": self.locality.to_dict(),
-                 "incarnation": self.incarnation, "mq_type": self.mq_type, "max_frame_bytes": max_frame_bytes,
-                 "window": max(queue_size, MIN_WINDOW)}
+                 "incarnation": self.incarnation, "mq_type": self.mq_type,
+                 "max_frame_bytes": opts.max_frame_bytes, "window": window}
         self._join = join = Join(node_id, hello, self.locality, delivery.topics, transport, sender, peers,
                                  refusals, life, secret=self.secret, timeout=self.timeout)
         self._fanout = fanout = _fanout.Fanout(
             node_id, peers, sender, self.codec, refusals, life, ping=liveness.ping, deliver=delivery.deliver,
-            stalled=liveness.stalled, min_bytes=relay_min_bytes, shape=relay_shape,
+            stalled=liveness.stalled, min_bytes=opts.relay_min_bytes, shape=opts.relay_shape,
             keeps_tensors=transport.keeps_tensors, timeout=self.timeout, streams_to=transport.streams_to)
         self._dispatch = Dispatch(node_id, self.codec, peers, join, delivery, calls, liveness, sender, fanout,
-                                  life, stats, refusals, max_frame_bytes=max_frame_bytes, secret=self.secret,
-                                  window=max(queue_size, MIN_WINDOW))
-        for hook in (sender.forget, calls.peer_lost, sender.disconnect):  # in this order
+                                  life, stats, refusals, max_frame_bytes=opts.max_frame_bytes, secret=self.secret,
+                                  window=window)
+        for hook in (sender.forget, calls.peer_lost, sender.disconnect):  # a lost peer: in this order
             peers.on_lost(hook)
         # The send path, bound once (see scripts/hotpath).
         self._encode = sender.encode
@@ -526,18 +498,6 @@ def _preload_torch() -> None:
         _load_torch()
 
 
-def _seconds(value: Any, name: str) -> float:
-    """A finite, non-negative number of seconds, or a ConfigError that says so."""
-    if type(value) in (int, float) and 0 <= value <= _MAX_TIMEOUT_S:  # the usual case, per call
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number of seconds (int or float), got {value!r}")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ConfigError(f"{name} must be a finite number of seconds, got {value!r}: for a long "
-                          "wait pass a large number such as 3600")
-    if value < 0:
-        raise ConfigError(f"{name} must be >= 0 seconds, got {value!r}")
-    return min(float(value), _MAX_TIMEOUT_S)
 
 
 def _check_topic(topic: Any) -> None:
@@ -560,21 +520,9 @@ def _cuda_index(device: Any) -> int | None:
     return int(index)
 
 
-def _check_options(node_id: Any, labels: Any, queue_size: Any, timeout: Any, max_frame_bytes: Any,
-                   queue_bytes: Any, handler_threads: Any, heartbeat: Any, peer_timeout: Any) -> None:
+def _check_identity(node_id: Any, labels: Any) -> None:
     if not isinstance(node_id, int) or isinstance(node_id, bool) or node_id < 0:
         raise ConfigError(f"node_id must be a non-negative int, got {node_id!r}")
-    if not isinstance(queue_size, int) or queue_size < 1:
-        raise ConfigError(f"queue_size must be an int >= 1, got {queue_size!r}")
-    if _seconds(timeout, "timeout") <= 0:
-        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    for name, value in (("max_frame_bytes", max_frame_bytes), ("queue_bytes", queue_bytes),
-                        ("handler_threads", handler_threads)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-    for name, value in (("heartbeat", heartbeat), ("peer_timeout", peer_timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 3600:
-            raise ConfigError(f"{name} must be a number of seconds in (0, 3600), got {value!r}")
     if labels is not None and not isinstance(labels, str) and not (
             hasattr(labels, "__iter__") and all(isinstance(x, str) for x in labels)):
         raise ConfigError(f"labels must be a str or an iterable of str (e.g. {{'learner'}}), got {labels!r}")

@@ -4,7 +4,7 @@ arrive, instead of after the whole frame came in.
 A relayed hop (:mod:`mq.fanout`) carries the same body as the frame its relay receives: the
 payload's buffers, each on a 64-byte boundary from the first, so the body's bytes are the same
 in both frames and only the header in front differs (the hop's plan, its sender). A relay's
-tcp link (:mod:`mq.backends.links.tcp`) tells core when a large frame's header is in
+tcp link (:mod:`mq.backends.nng.links.tcp`) tells core when a large frame's header is in
 (``Events.on_begun``); for a RELAY frame whose plan names peers on other hosts, :mod:`mq.fanout`
 watches the frame's :class:`Arrival` and sends each of those peers an :class:`ArrivingFrame`: its
 own header, then the incoming body, each piece going out once it came in. With H hosts in a

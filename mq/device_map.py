@@ -13,27 +13,23 @@ Rules (each broken rule is a :class:`~mq.errors.ConfigError` that quotes the tok
   peer GPUs is a conflicting duplicate;
 * each per-peer map is one-to-one (TensorPipe inverts it for replies).
 
-Only ``torchrpc:cuda`` moves tensors device to device, so every other mq type rejects a
-non-empty map (:func:`reject_for_cpu`).
+Only mq types that move tensors device to device take a map (``Backend.device_map_types``:
+``torchrpc:cuda``); the others reject a non-empty one (:func:`reject_for_cpu`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from mq.errors import ConfigError
 
 __all__ = [
-    "DEVICE_MAP_MQ_TYPES",
     "format",
     "invert",
     "parse",
     "parse_devices",
     "reject_for_cpu",
 ]
-
-# The only mq types whose transport can deliver CUDA tensors to a peer's device.
-DEVICE_MAP_MQ_TYPES = frozenset({"torchrpc:cuda"})
 
 _GRAMMAR = "<peer node id>_<local gpu>_<peer gpu> such as 1_0_1"
 _FIELDS = ("peer node id", "local gpu", "peer gpu")
@@ -331,15 +327,17 @@ def invert(mapping: Mapping[int, int], *, peer: int | None = None) -> dict[int, 
     return out
 
 
-def reject_for_cpu(mq_type: str, spec: str | Mapping[int, Mapping[int, int]] | None) -> None:
+def reject_for_cpu(mq_type: str, spec: str | Mapping[int, Mapping[int, int]] | None,
+                   accepted: Collection[str] = ("torchrpc:cuda",)) -> None:
     """Refuse a non-empty device map for an mq type that cannot move CUDA tensors.
 
     Args:
         mq_type: e.g. ``"nng"``, ``"torchrpc:cpu"``, ``"torchrpc:cuda"``.
         spec: the device map as given by the user (string or parsed mapping).
+        accepted: the mq types that take one (its backend's ``device_map_types``).
 
     Raises:
-        ConfigError: ``spec`` is non-empty and ``mq_type`` is not ``torchrpc:cuda``.
+        ConfigError: ``spec`` is non-empty and ``mq_type`` is not one of ``accepted``.
     """
     if spec is None:
         return
@@ -349,12 +347,13 @@ def reject_for_cpu(mq_type: str, spec: str | Mapping[int, Mapping[int, int]] | N
         empty = not any(spec.values())  # {peer: {}} maps nothing
     else:
         empty = False
-    if empty or mq_type in DEVICE_MAP_MQ_TYPES:
+    if empty or mq_type in accepted:
         return
     shown = spec if isinstance(spec, str) else format(spec)
+    need = " or ".join(sorted(accepted))
     raise ConfigError(
         f"cuda device map {shown!r} was given with mq type {mq_type!r}, which cannot use it: "
-        f"device maps need torchrpc:cuda; use --mq-type torchrpc:cuda or drop --cuda-device-map"
+        f"device maps need {need}; use --mq-type {need} or drop --cuda-device-map"
     )
 
 

@@ -22,10 +22,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from mq import cuda_ipc
+from mq import cuda_ipc, peer_route
 from mq.errors import ConfigError, MQError, ProtocolError
 from mq.options import check_int
 from mq.peers import Peer, PeerTable
@@ -199,10 +198,8 @@ class GpuPath:
         with self._peers.changed:
             for peer in peers:
                 p = self._peers.get(peer)
-                if p is not None and p.route is not None and p.route.gpu == "nvlink":
-                    p.route = replace(p.route, gpu=p.route.kind,
-                                      reason=f"{p.route.reason}; GPU payloads staged through host, "
-                                             f"not nvlink: {why}")
+                if p is not None:
+                    peer_route.stage_gpu(p, why)
             self._peers.changed.notify_all()
 
     def _note(self, peers: list[int], text: str) -> None:
@@ -210,8 +207,8 @@ class GpuPath:
         with self._peers.changed:
             for peer in peers:
                 p = self._peers.get(peer)
-                if p is not None and p.route is not None and text not in p.route.reason:
-                    p.route = replace(p.route, reason=f"{p.route.reason}; {text}")
+                if p is not None:
+                    peer_route.note(p, text)
 
     def on_verdict(self, peer: int, payload: dict[str, Any]) -> None:
         pool_id, error = payload.get("verdict"), payload.get("error")

@@ -6,7 +6,7 @@ to a peer that proved the job secret, its frames never reach the general decoder
 (:mod:`mq.codec`, with its payload trees, extension types and buffers). They come here:
 
 - at most :data:`MAX_FRAME` bytes, refused before anything is parsed (a reader does not even
-  allocate more for an unauthenticated link, see :mod:`mq.backends.links.base`);
+  allocate more for an unauthenticated link, see :mod:`mq.backends.nng.links.base`);
 - the contiguous layout of a frame without buffers: a u32 header length, then exactly that
   many bytes of header;
 - the header: exactly the envelope's ten fields with their types, no buffer sizes, no shared-

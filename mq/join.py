@@ -10,7 +10,7 @@ only once its proof checked out (:mod:`mq.auth`); from then on its link is bound
         -> LINK (the initiator's proof; later: its verdict on our pool)
 
 Data flows: dispatch -> Join.handle -> (PeerTable, Sender, transport.connect/greet). The route
-to each peer is chosen here (:func:`mq.routing.select_route`), with a probe of its pool.
+to each peer is chosen by :func:`mq.peer_route.choose` here, with a probe of its pool.
 """
 
 from __future__ import annotations
@@ -20,18 +20,17 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import replace
 from typing import Any, Callable
 
 from mq import auth as _auth
 from mq import handshake as _handshake
+from mq import peer_route
 from mq import shm as _shm
 from mq.codec import HELLO, HELLO_ACK, LINK, SUBS, Envelope
 from mq.errors import ConfigError, MQError, ProtocolError
 from mq.lifecycle import Lifecycle
 from mq.locality import Locality
 from mq.peers import DEFAULT_WINDOW, Peer, PeerTable
-from mq.routing import select_route
 from mq.sender import Sender
 from mq.stats import Refusals
 from mq.transport import Transport
@@ -306,24 +305,14 @@ class Join:
         here = self._locality
         # pid AND its PID namespace: two "hosts" (namespaces) on one machine reuse small pids.
         same_process = remote.pid == here.pid and remote.boot_id == here.boot_id and remote.pid_ns == here.pid_ns
-        supported = set(self._transport.routes)
-        if not self._sender.gpu.enabled:
-            supported.discard("nvlink")
         reader, why_not = self._open_reader(peer_id, info, same_process)
-        if reader is not None:
-            supported.add("shm")
-        try:
-            route = select_route(here, remote, supported=supported, peer=peer_id, same_process=same_process)
-        except ConfigError as exc:  # e.g. protocol=ipc towards another host: say so, use tcp
-            # (rate-limited: a stranger's HELLOs, unproven yet, get here too)
-            self._refusals.log("route", f"node {self.node_id}: {exc}; using tcp to node {peer_id}")
-            route = select_route(here, remote, supported={"tcp"}, peer=peer_id)
-        if route.gpudirect and "nvlink" not in supported:  # this transport stages GPU tensors
-            route = replace(route, gpudirect=False)
-        if why_not and route.kind != "inproc":
-            route = replace(route, reason=f"{route.reason}; not shm: {why_not}")
-        elif self._sender.pool is None and route.kind in ("ipc",):
-            route = replace(route, reason=f"{route.reason}; not shm: {self._sender.shm_unavailable}")
+        # (rate-limited: a stranger's HELLOs, unproven yet, reach the refusal too)
+        route = peer_route.choose(
+            here, remote, self._transport.routes, peer_id=peer_id, same_process=same_process,
+            gpu=self._sender.gpu.enabled, opened_pool=reader is not None, why_not_shm=why_not,
+            no_pool=self._sender.shm_unavailable if self._sender.pool is None else None,
+            on_refused=lambda why: self._refusals.log("route", f"node {self.node_id}: {why}; using tcp "
+                                                               f"to node {peer_id}"))
         if route.kind != "shm" and reader is not None:
             reader.close()
             reader = None
@@ -352,18 +341,14 @@ class Join:
 
     def _on_link_verdict(self, peer_id: int, read_ok: Any) -> None:
         """The peer's verdict on our pool: descriptors go to it only if it could open it."""
-        routes = self._transport.routes
         with self._peers.changed:
             peer = self._peers.get(peer_id)
             if peer is None or peer.route is None or peer.route.kind != "shm":
                 return
             if read_ok is True:
                 peer.shm_out = True
-            elif "shm" not in routes:  # it cannot read ours: sockets both ways
-                fallback = "ipc" if "ipc" in routes else "tcp"
-                peer.route = replace(peer.route, kind=fallback,
-                                     reason=f"{peer.route.reason}; not shm: node {peer_id} cannot "
-                                            "open this node's shared memory")
+            else:  # it cannot read ours: sockets both ways
+                peer_route.refused_our_pool(peer, self._transport.routes)
             self._peers.changed.notify_all()
 
     # ------------------------------------------------------------------ housekeeping

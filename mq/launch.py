@@ -18,7 +18,7 @@ Guarantees:
 * Workers die with the launcher (PR_SET_PDEATHSIG), so none is left behind as an orphan.
 
 Planning (:func:`make_plan`) checks a :class:`LaunchRequest` and asks the backend's launch
-profile (:mod:`mq.launch_profiles`) for each worker's options, locally or from a platform's
+profile (``Backend.launch``, :class:`mq.backend.LaunchProfile`) for each worker's options, locally or from a platform's
 plan (:mod:`mq.platforms`); running (:func:`run_plan`) spawns and supervises the workers with
 :mod:`mq.supervise`.
 """
@@ -38,13 +38,13 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from mq import device_map, platforms
+from mq import platforms
+from mq.backend import Backend, LaunchProfile, LocalJob
 from mq.errors import ConfigError, MQError, Timeout
-from mq.launch_profiles import LaunchProfile, LocalJob, WorkerExtras, profile_for
-from mq.registry import check_mq_type, create
+from mq.registry import backend_for, backends, check_mq_type, create, profile_for
 from mq.rendezvous import TOPOLOGIES, parse_init_method
 from mq.platforms.plan import free_port  # noqa: F401 (its home was here: mq.launch.free_port stays)
 from mq.supervise import die_with_parent, stop_processes, stop_signals_raise
@@ -224,10 +224,11 @@ class LaunchRequest:
     per Slurm task (``srun -n 4``); a number under Slurm runs that many workers per host (one
     launcher per host). ``roles`` (``"learner:1,collector:*"``) deals labels in node-id order
     over the whole job. ``check_network`` resolves every host name and checks this host's
-    ports before anything starts (off for planning on another machine). ``busy_poll``: see
-    :class:`mq.backends.nng.transport.NngTransport` and :class:`mq.backends.torchrpc.transport.TorchRpcTransport`;
-    None leaves the transport's default (on for both). ``mq_options`` go to every worker's
-    ``mq.create`` as given; ``args`` reach ``main`` as ``ctx.args``.
+    ports before anything starts (off for planning on another machine). ``backend_options``:
+    the backend's own launch flags (``Backend.flags``: nng's ``protocol``, torchrpc's
+    ``cuda_device_map``, both ``busy_poll``), checked by it; None leaves the transport's
+    default. ``mq_options`` go to every worker's ``mq.create`` as given; ``args`` reach ``main``
+    as ``ctx.args``.
     """
 
     main: Callable[..., Any] | str
@@ -238,14 +239,11 @@ class LaunchRequest:
     roles: str | None = None
     node_ids: Iterable[int] | None = None
     world_size: int | None = None
-    protocol: str = "auto"
     address: str | None = None
     ports: Iterable[int] | None = None
     attach_to: Iterable[str] = ()
     init_method: str | None = None
-    local_cuda_devices: Iterable[int] | None = None
-    cuda_device_map: str | None = None
-    busy_poll: bool | None = None
+    backend_options: Mapping[str, Any] | None = None
     platform: str = "local"
     startup_interval: float = 0.0
     log_level: str = "WARNING"
@@ -262,8 +260,6 @@ class LaunchRequest:
             raise ConfigError(f"the number of workers must be >= 1, got {n!r}")
         if self.topology not in TOPOLOGIES:
             raise ConfigError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
-        if self.protocol not in ("auto", "tcp", "ipc"):
-            raise ConfigError(f"protocol must be auto, tcp or ipc, got {self.protocol!r}")
         if self.startup_interval < 0:
             raise ConfigError(f"startup interval must be >= 0 seconds, got {self.startup_interval}")
         if self.platform not in platforms.PLATFORMS:
@@ -271,9 +267,6 @@ class LaunchRequest:
                               f"{platforms.PLATFORMS[-1]}, got {self.platform!r}")
         if self.init_method:
             parse_init_method(self.init_method, self.environ)
-        if self.busy_poll is not None and not isinstance(self.busy_poll, bool):
-            raise ConfigError(f"busy_poll={self.busy_poll!r}: it is True or False (or None for the "
-                              "transport's default)")
 
 
 @dataclass
@@ -290,28 +283,30 @@ class _Layout:
 def make_plan(main: Callable[..., Any] | str, **options: Any) -> Plan:
     """Validate every option and decide each worker's node id, labels and queue options.
 
-    ``options`` are the fields of :class:`LaunchRequest` (the ``mq run`` flags).
+    ``options`` are the fields of :class:`LaunchRequest` (the ``mq run`` flags), and the
+    backend's own flags by name (``protocol="tcp"``), which go into ``backend_options``.
 
     Raises:
         ConfigError: a bad option, an option the platform derives itself, a host name that
             does not resolve, or a port already in use. The message says which and the fix.
     """
+    named = {f.name for f in fields(LaunchRequest)}
+    flags = {k: options.pop(k) for k in list(options) if k not in named}
     req = LaunchRequest(main, **options)
     mq_type = check_mq_type(req.mq_type)
     req.check()
+    backend = backend_for(mq_type)
     profile = profile_for(mq_type)
+    given = checked_flags(backend, mq_type, {**(req.backend_options or {}), **flags})
     ref = main_ref(req.main)
     resolve_main(ref, req.package)  # fail in the launcher, with one line, not in every worker
-    if req.cuda_device_map:
-        device_map.reject_for_cpu(mq_type, req.cuda_device_map)
     if req.platform == "local":
         layout = _plan_local(req, profile)
     else:
         layout = _plan_platform(req, profile)
-    _add_worker_options(req, profile, layout)
+    _add_worker_options(req, given, layout)
     ids = layout.node_ids
-    if req.cuda_device_map:  # the map names this host's GPUs: check it for the first worker here
-        device_map.parse(req.cuda_device_map, ids[0], layout.options[ids[0]].get("local_cuda_devices"))
+    profile.check_worker_options(mq_type, ids[0], layout.options[ids[0]])
     node_labels = parse_labels(req.labels, ids)
     if req.roles is not None:
         by_role = platforms.assign_roles(req.roles, range(layout.world_size))
@@ -322,14 +317,33 @@ def make_plan(main: Callable[..., Any] | str, **options: Any) -> Plan:
                 hosts=layout.hosts, relay_abort=profile.relays_abort(req.topology))
 
 
-def _add_worker_options(req: LaunchRequest, profile: LaunchProfile, layout: _Layout) -> None:
+def checked_flags(backend: Backend, mq_type: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` backend flags (None: not given), each checked by ``backend``.
+
+    Raises:
+        ConfigError: a flag another backend takes, or that none does, or a bad value.
+    """
+    ours = {f.option: f for f in backend.flags}
+    out = {}
+    for name, value in given.items():
+        if value is None:
+            continue
+        flag = ours.get(name)
+        if flag is None:
+            others = sorted(b.name for b in backends().values() if any(f.option == name for f in b.flags))
+            if others:
+                raise ConfigError(f"{name} (--{name.replace('_', '-')}) is an option of {' and '.join(others)}, "
+                                  f"not of mq type {mq_type!r}: drop it or choose another mq type")
+            known = sorted({f.name for f in fields(LaunchRequest)} - {"main"} | set(ours))
+            raise ConfigError(f"unexpected launch option {name!r}; options are {', '.join(known)}")
+        out[name] = flag.check(value) if flag.check else value
+    return out
+
+
+def _add_worker_options(req: LaunchRequest, flags: dict[str, Any], layout: _Layout) -> None:
     """The options every worker takes on top of its addresses, then the user's own."""
-    cuda_devices = list(req.local_cuda_devices) if req.local_cuda_devices is not None else None
-    extras = profile.extras(WorkerExtras(req.protocol, cuda_devices, req.cuda_device_map))
     for n in layout.node_ids:
-        layout.options[n].update(extras)
-        if req.busy_poll is not None:
-            layout.options[n]["busy_poll"] = req.busy_poll
+        layout.options[n].update(flags)
         layout.options[n].update(req.mq_options or {})
 
 

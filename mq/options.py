@@ -5,7 +5,8 @@ once in ``__post_init__`` with the checks here, so every bad option is a
 :class:`~mq.errors.ConfigError` whose message names the option, what it got and the fix
 ("send_buffer must be an int >= 1, got 0"). Each vocabulary below is the one definition of its
 words; the route kinds live with the route function (:data:`mq.routing.ROUTE_KINDS`) and the mq
-types with the registry (:data:`mq.registry.MQ_TYPES`).
+types with the registry (:data:`mq.registry.MQ_TYPES`), a backend's own words with it
+(``mq.backends.nng.PROTOCOLS``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ from typing import Any, Collection
 
 from mq.errors import ConfigError
 
-__all__ = ["NNG_PROTOCOLS", "TOPOLOGIES", "check_bool", "check_choice", "check_int", "check_seconds"]
+__all__ = ["TOPOLOGIES", "check_bool", "check_choice", "check_int", "check_seconds"]
 
 #: Which peers a node dials when it finds them through a rendezvous (:func:`mq.rendezvous.attach_targets`).
 TOPOLOGIES: tuple[str, ...] = ("mesh", "star", "alone")
-#: The nng transport's ``protocol`` option: best route per peer, or one socket kind for all.
-NNG_PROTOCOLS: tuple[str, ...] = ("auto", "tcp", "ipc")
 
 
 def check_bool(value: Any, name: str) -> bool:

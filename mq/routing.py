@@ -37,14 +37,13 @@ skipped and why.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Mapping
+from typing import Collection
 
 from mq.errors import ConfigError
 from mq.locality import Locality
 
 __all__ = [
     "ALL_ROUTES",
-    "BACKEND_ROUTES",
     "ROUTE_KINDS",
     "Route",
     "explain",
@@ -58,15 +57,6 @@ __all__ = [
 #: Every route kind, fastest first. ``nvlink`` only ever carries GPU payloads.
 ROUTE_KINDS: tuple[str, ...] = ("inproc", "nvlink", "shm", "ipc", "rdma", "tcp")
 ALL_ROUTES: frozenset[str] = frozenset(ROUTE_KINDS)
-
-#: What each transport carries. The shm data path (:mod:`mq.shm`) adds ``shm`` to any of them
-#: where this node's pool works and the peer can open it; else NNG uses ``ipc``. ``nvlink`` is
-#: mq's cuda_ipc path (:mod:`mq.gpu_path`), whose descriptors any transport carries (off with
-#: ``cuda=False``; torchrpc:cpu stages GPU tensors by definition).
-BACKEND_ROUTES: Mapping[str, frozenset[str]] = {
-    "nng": frozenset({"inproc", "nvlink", "ipc", "tcp"}),
-    "torchrpc": ALL_ROUTES,
-}
 
 _CPU_CANDIDATES = ("inproc", "shm", "ipc", "rdma", "tcp")
 _GPU_CANDIDATES = ("inproc", "nvlink", "shm", "ipc", "rdma", "tcp")
@@ -288,7 +278,7 @@ def select_route(
     Args:
         local: this node's descriptor.
         remote: the peer's descriptor.
-        supported: route kinds the calling backend can use (see :data:`BACKEND_ROUTES`).
+        supported: route kinds the calling backend can use (its ``Backend.routes``).
         same_process: override the same-process test (boot id, pid and PID namespace equal),
             e.g. for two queues one test creates in one process with fake descriptors.
         peer: the peer's node id, copied into the result.

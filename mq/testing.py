@@ -30,8 +30,8 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -98,15 +98,16 @@ def inproc_nodes(n: int, labels: list[Any], **mq_options: Any) -> list[mq.MQ]:
 
 @dataclass(frozen=True)
 class Launched:
-    """Every node a process that :func:`mq.launch` starts for ``mq_type`` (``protocol``: nng's)."""
+    """Every node a process that :func:`mq.launch` starts for ``mq_type``, with its backend's
+    launch ``flags`` (``{"protocol": "tcp"}`` for nng)."""
 
     mq_type: str
-    protocol: str = "auto"
+    flags: Mapping[str, Any] = field(default_factory=dict)
 
     def run(self, program: Program, n: int = 2, *, labels: Any = None,
             mq_options: dict[str, Any] | None = None, deadline_s: float = 60.0) -> dict[int, Any]:
         with tempfile.TemporaryDirectory(prefix="mq-group-") as out:
-            plan = make_plan(_launched_main, n_workers=n, mq_type=self.mq_type, protocol=self.protocol,
+            plan = make_plan(_launched_main, n_workers=n, mq_type=self.mq_type, backend_options=self.flags,
                              labels=labels, mq_options=_options(mq_options),
                              args={"program": main_ref(program), "out": out})
             run_plan(plan, deadline_s=deadline_s)

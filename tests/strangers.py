@@ -12,8 +12,8 @@ from typing import Any
 
 import pynng
 
-from mq.backends.links import tcp as tcplink
-from mq.backends.links import unix as unixlink
+from mq.backends.nng.links import tcp as tcplink
+from mq.backends.nng.links import unix as unixlink
 from mq.codec import Codec
 
 #: A node's listening surfaces, by the key of its address in ``q.addresses``.

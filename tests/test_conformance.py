@@ -29,9 +29,9 @@ class Backend(NamedTuple):
 
 
 BACKENDS = [
-    pytest.param(Backend(testing.Launched("nng", "tcp"), "tcp"), id="nng-tcp"),
-    pytest.param(Backend(testing.Launched("nng", "ipc"), "ipc"), id="nng-ipc"),
-    pytest.param(Backend(testing.Launched("nng", "auto"), "shm"), id="nng-shm"),
+    pytest.param(Backend(testing.Launched("nng", {"protocol": "tcp"}), "tcp"), id="nng-tcp"),
+    pytest.param(Backend(testing.Launched("nng", {"protocol": "ipc"}), "ipc"), id="nng-ipc"),
+    pytest.param(Backend(testing.Launched("nng"), "shm"), id="nng-shm"),
     pytest.param(Backend(testing.InProcess(testing.inproc_nodes), "inproc"), id="inproc"),
     pytest.param(Backend(testing.Launched("torchrpc:cpu"), "shm"), id="torchrpc-cpu",
                  marks=pytest.mark.skipif(importlib.util.find_spec("mq.backends.torchrpc.transport") is None,

@@ -121,3 +121,46 @@ def test_the_launcher_does_not_branch_on_the_mq_type():
                     for side in [node.left, *node.comparators]):
                 pytest.fail(f"{path.relative_to(ROOT)}:{node.lineno} compares mq_type: ask the "
                             "backend's launch profile instead")
+
+
+def _imported(tree: ast.Module) -> list[tuple[int, str]]:
+    """Every module an import names (``from a import b`` names ``a`` and ``a.b``)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def test_a_backend_is_imported_only_from_its_own_folder_and_the_cli():
+    # mq asks the backend's Backend object (found by mq.registry); only the backend's own folder,
+    # and cli/ (which may show a backend's details), import a named backend.
+    backends = {p.name for p in (ROOT / "mq" / "backends").iterdir() if (p / "__init__.py").exists()}
+    assert {"nng", "torchrpc", "inproc"} <= backends
+    offenders = []
+    for path, tree in _sources("mq").items():
+        parts = pathlib.Path(path).parts
+        own = parts[2] if parts[1] == "backends" and len(parts) > 3 else None
+        for line, name in _imported(tree):
+            seg = name.split(".")
+            if seg[:2] == ["mq", "backends"] and len(seg) > 2 and seg[2] in backends and seg[2] != own:
+                offenders.append(f"{path}:{line} imports {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_a_peer_route_is_written_only_by_its_owner():
+    # mq/peer_route.py decides a peer's route and every change to it (keeping the reason);
+    # everyone else reads Peer.route. Peer(...) in the join takes the owner's choice.
+    offenders = []
+    for path, tree in _sources("mq").items():
+        if path == "mq/peer_route.py":
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr == "route":
+                    offenders.append(f"{path}:{node.lineno} assigns .route")
+    assert not offenders, "\n".join(offenders)

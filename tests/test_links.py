@@ -1,4 +1,4 @@
-"""nng's own links (mq.backends.links.unix: unix SEQPACKET on one host; mq.backends.links.tcp: TCP
+"""nng's own links (mq.backends.nng.links.unix: unix SEQPACKET on one host; mq.backends.nng.links.tcp: TCP
 records between hosts): framing on real kernel sockets, hostile datagrams and records, a frame cut
 off by a timeout, and the nng transport choosing the link per peer, falling back to NNG's own
 sockets where a link cannot be opened."""
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import mq
-from mq.backends.links import tcp as tcplink
-from mq.backends.links import unix as unixlink
-from mq.backends.links.base import Sender
+from mq.backends.nng.links import tcp as tcplink
+from mq.backends.nng.links import unix as unixlink
+from mq.backends.nng.links.base import Sender
 from mq.codec import MSG, RELAY, Codec, split
 from mq.cut_through import AHEAD, AHEAD_MIN, Arrival
 from mq.errors import ProtocolError

@@ -336,7 +336,7 @@ def test_round_trip_property(loc):
 
 # --- mq doctor ------------------------------------------------------------------------------------
 
-DOCTOR_KEYS = {"container", "fork_safety", "rdma", "gpus", "torch", "tensorpipe", "pynng", "routes"}
+DOCTOR_KEYS = {"container", "fork_safety", "rdma", "gpus", "torch", "backends", "routes"}
 
 
 def _doctor():
@@ -352,7 +352,11 @@ def test_doctor_json_on_this_machine():
     assert result.exit_code == 0, result.output
     rep = json.loads(result.output)
     assert DOCTOR_KEYS <= set(rep)
-    assert set(rep["routes"]) == {"nng", "torchrpc"}
+    assert set(rep["routes"]) == {"nng", "torchrpc"}  # inproc's nodes share one process: no routes
+    assert set(rep["backends"]) >= {"nng", "torchrpc", "inproc"}
+    assert rep["backends"]["nng"]["pynng"]["available"] and rep["backends"]["nng"]["mq_types"] == ["nng"]
+    assert rep["backends"]["torchrpc"]["mq_types"] == ["torchrpc:cpu", "torchrpc:cuda"]
+    assert rep["backends"]["inproc"]["launchable"] is False
     for backend, by_peer in rep["routes"].items():
         assert by_peer["local"]["kind"] in ("shm", "ipc", "tcp")
         assert by_peer["remote"]["kind"] in ("rdma", "tcp")
@@ -371,7 +375,7 @@ def test_doctor_human_output_exits_0():
     condensed = "".join(c for c in result.output if not c.isspace() and c != "│")  # rich wraps
     assert "poll up to 0.5 ms before sleeping".replace(" ", "") in condensed  # nng's busy_poll
     rep = json.loads(runner.invoke(doctor.doctor, ["--json"]).output)
-    if "shm" in rep["tensorpipe"].get("options", {}).get("_transports", []):
+    if "shm" in rep["backends"]["torchrpc"]["tensorpipe"].get("options", {}).get("_transports", []):
         # TensorPipe's same-host transport spins a core per process: doctor says how to avoid it
         condensed = "".join(c for c in result.output if not c.isspace() and c != "│")  # rich wraps
         assert "busy-polls" in condensed and "--no-busy-poll" in condensed
@@ -401,7 +405,7 @@ def test_doctor_with_gpus_and_rdma(monkeypatch):
         "kind": "rdma", "gpu": "rdma", "gpudirect": True, "reason": rep["routes"]["torchrpc"]["remote"]["reason"]
     }
     assert rep["routes"]["nng"]["remote"]["kind"] == "tcp"
-    assert "cuda_gdr" in rep["tensorpipe"]["options"]["_channels"]
+    assert "cuda_gdr" in rep["backends"]["torchrpc"]["tensorpipe"]["options"]["_channels"]
     result = runner.invoke(doctor.doctor, [])
     assert result.exit_code == 0, result.output
     assert "mlx5_0" in result.output and "GPU-aaaa" in result.output

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from mq.errors import ConfigError
 from mq.locality import ContainerInfo, GpuInfo, Locality, RdmaDevice, read_rdma_devices
+from mq.registry import backend_for
 from mq.routing import (
     ALL_ROUTES,
-    BACKEND_ROUTES,
     ROUTE_KINDS,
     Route,
     explain,
@@ -24,7 +24,7 @@ from mq.backends.torchrpc.tensorpipe import tensorpipe_options
 pytestmark = pytest.mark.timeout(30)
 
 SYSFS = Path(__file__).parent / "data" / "sysfs"
-NNG = BACKEND_ROUTES["nng"]
+NNG = backend_for("nng").routes
 
 BOOT_A = "3b9c4a62-5f0e-4d1a-9e7b-2c8d6f1a0b35"
 BOOT_B = "9d0a7b51-2c3e-4f6a-8b9c-0d1e2f3a4b5c"
@@ -279,7 +279,7 @@ def test_nng_skips_rdma_with_reason():
 
 
 def test_torchrpc_supports_everything():
-    assert BACKEND_ROUTES["torchrpc"] == ALL_ROUTES == frozenset(ROUTE_KINDS)
+    assert backend_for("torchrpc:cpu").routes == ALL_ROUTES == frozenset(ROUTE_KINDS)
     assert ROUTE_KINDS[0] == "inproc" and ROUTE_KINDS[-1] == "tcp"
 
 
@@ -422,7 +422,7 @@ def test_torchrpc_cuda_gives_tensorpipe_no_device_map_for_nvlink_peers():
     me = node(gpus=TWO_GPUS_P2P)
     remote = {1: node(pid=200, gpus=TWO_GPUS_P2P), 2: node(boot_id=BOOT_B, gpus=TWO_GPUS_P2P),
               3: node(pid=300, pid_ns="pid:[4026532999]", gpus=TWO_GPUS_P2P)}
-    fake = SimpleNamespace(device="cuda", locality=me, routes=BACKEND_ROUTES["torchrpc"],
+    fake = SimpleNamespace(device="cuda", locality=me, routes=backend_for("torchrpc:cpu").routes,
                            device_maps={1: {0: 0}, 2: {0: 1}, 3: {1: 1}})
     assert TorchRpcTransport._maps_for_tensorpipe(fake, remote) == {2: {0: 1}, 3: {1: 1}}
     fake.device = "cpu"

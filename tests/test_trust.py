@@ -23,7 +23,7 @@ import pytest
 import mq
 from mq.testing import wait_until
 from mq import auth
-from mq.backends.links import tcp as tcplink
+from mq.backends.nng.links import tcp as tcplink
 from mq.codec import BYE, HELLO, LINK, MSG
 from tests.strangers import fake_hello, raw_frame, send_as_strangers, stranger
 

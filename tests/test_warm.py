@@ -1,4 +1,4 @@
-"""Warm receive buffers (mq/backends/links/warm.py): a slab is lent while any view of the frame
+"""Warm receive buffers (mq/backends/nng/links/warm.py): a slab is lent while any view of the frame
 lives and reused after, and the bound is kept."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gc
 import numpy as np
 import pytest
 
-from mq.backends.links.warm import WarmBuffers, capacity
+from mq.backends.nng.links.warm import WarmBuffers, capacity
 from mq.codec import Codec, split
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ Importing this module (once, in the module that holds your main function) does t
 
 :func:`_args_parser` turns DI-engine's arguments (``n_parallel_workers``, ``node_ids``,
 ``protocol``, ``address``, ``ports``, ``attach_to``, ``topology``, ``labels``) into each worker's
-``mq.create`` options with mq's own launch profiles (:mod:`mq.launch_profiles`, as ``mq run``
+``mq.create`` options with mq's own launch profiles (``Backend.launch``, as ``mq run``
 does): nng workers listen on ``tcp://address:port`` and dial their topology's peers (plus
 ``attach_to``); torch RPC workers meet in a rendezvous store on this host (one host), or at
 ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``) when the job spans hosts.
@@ -58,9 +58,9 @@ from typing import Any, Optional
 import mq
 from mq import auth
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
+from mq.backend import LocalJob
 from mq.launch import free_port
-from mq.launch_profiles import LocalJob, WorkerExtras, profile_for
-from mq.registry import check_mq_type
+from mq.registry import check_mq_type, launchable_mq_types, profile_for
 from mq.rendezvous import attach_targets
 
 from ding.framework.message_queue.mq import MQ as DingMQ
@@ -73,7 +73,7 @@ log = logging.getLogger("mq.integrations.ding")
 
 PREFIX = "mq:"
 #: DI-engine mq type -> mq type.
-MQ_TYPES = {"mq:nng": "nng", "mq:torchrpc:cpu": "torchrpc:cpu", "mq:torchrpc:cuda": "torchrpc:cuda"}
+MQ_TYPES = {PREFIX + t: t for t in launchable_mq_types()}
 #: How long one wait of ``recv`` lasts before it checks for ``stop``.
 RECV_SLICE_S = 0.1
 #: ``stop``'s bound: goodbyes and the transport's close.
@@ -397,12 +397,11 @@ def _args_parser(cls: type, n_parallel_workers: int, mq_type: str, attach_to: An
     job = LocalJob(node_ids=ids, world_size=world_size, topology=topology, address=address,
                    ports=port_list, attach_to=extra_attach, init_method=init_method, pick_port=free_port)
     per_node = profile.local_options(job)
-    extras = profile.extras(WorkerExtras("auto", None, None))
     _pass_job_secret(options)
     label_set = tuple(sorted(labels or ()))
     params = []
     for n_id in ids:
-        opts = {**per_node[n_id], **extras, **options}
+        opts = {**per_node[n_id], **options}
         dials = opts.get("attach_to") or [f"node:{t}" for t in attach_targets(n_id, ids, topology)]
         talks_to = sorted(set(attach_targets(n_id, ids, topology))
                           | {m for m in ids if n_id in attach_targets(m, ids, topology)})

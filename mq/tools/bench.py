@@ -89,7 +89,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from mq.errors import ConfigError
-from mq.launch_profiles import launchable_mq_types
+from mq.registry import launchable_mq_types
 from mq.supervise import stop_signals_raise
 from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
     ROW_FIELDS, TARGETS, add_link_fractions, Report, _read, _targets, check_line, fmt_ms, fmt_ratio, gpu_pivot,

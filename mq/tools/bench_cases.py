@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import logging
 import multiprocessing.spawn as mp_spawn
@@ -186,9 +185,7 @@ def mq_type_unavailable(mq_type: str) -> str | None:
     try:
         backend_class(mq_type)
     except Exception as exc:
-        module = importlib.util.find_spec("mq.backends.torchrpc.transport") if mq_type.startswith("torchrpc") else True
-        what = "mq.backends.torchrpc is not written yet" if module is None else "its backend does not import"
-        return f"{what} ({type(exc).__name__}: {exc})"
+        return f"its backend does not import ({type(exc).__name__}: {exc})"
     return None
 
 

@@ -18,8 +18,8 @@
 INSTRUMENTED = {
     "handshake": ("mq.handshake",),
     "codec": ("mq.codec",),
-    "unixlink": ("mq.backends.links.unix", "mq.backends.links.base"),
-    "tcplink": ("mq.backends.links.tcp", "mq.backends.links.base"),
+    "unixlink": ("mq.backends.nng.links.unix", "mq.backends.nng.links.base"),
+    "tcplink": ("mq.backends.nng.links.tcp", "mq.backends.nng.links.base"),
     "shm": ("mq.shm",),
     "cuda": ("mq.cuda_ipc",),
 }

@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 import mq
-from mq.backends.links import tcp as tcplink
+from mq.backends.nng.links import tcp as tcplink
 from mq.codec import ALIGN, HELLO, HELLO_ACK, LINK, MSG, Codec, Frame
 from tests.fuzz import targets
 

@@ -33,8 +33,8 @@ import msgpack
 import numpy as np
 
 from mq import handshake
-from mq.backends.links import tcp as tcplink
-from mq.backends.links import unix as unixlink
+from mq.backends.nng.links import tcp as tcplink
+from mq.backends.nng.links import unix as unixlink
 from mq.codec import Codec, split_batch
 from mq.errors import ProtocolError
 from tests.fuzz import NAMES
@@ -147,13 +147,13 @@ def _memory_of(obj: Any) -> tuple[int, int] | None:
 
 # ---------------------------------------------------------------------- links
 def unixlink_target(data: bytes) -> None:
-    """:meth:`mq.backends.links.unix.Inbound.read` over a SEQPACKET pair, a datagram per chunk."""
+    """:meth:`mq.backends.nng.links.unix.Inbound.read` over a SEQPACKET pair, a datagram per chunk."""
     with _patched(unixlink, "DATAGRAM", UNIX_DATAGRAM):
         _feed_link(unixlink.Inbound, socket.SOCK_SEQPACKET, data)
 
 
 def tcplink_target(data: bytes) -> None:
-    """:meth:`mq.backends.links.tcp.Inbound.read` over a stream pair, a write per chunk."""
+    """:meth:`mq.backends.nng.links.tcp.Inbound.read` over a stream pair, a write per chunk."""
     with _patched(tcplink, "PIECE", TCP_PIECE), _patched(tcplink, "BEGUN_MIN", 2 * TCP_PIECE), \
             _patched(tcplink.warm, "MIN_SIZE", 2 * TCP_PIECE):
         _feed_link(tcplink.Inbound, socket.SOCK_STREAM, data)

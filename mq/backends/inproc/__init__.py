@@ -5,3 +5,15 @@
 - :mod:`~mq.backends.inproc.transport`: :class:`InprocTransport` (its wire format: a frame
   travels as the codec's contiguous layout, bytes, through a bounded in-process inbox).
 """
+
+from mq.backend import Backend
+
+BACKEND = Backend(
+    name="inproc",
+    mq_types={"inproc": {}},
+    transport="mq.backends.inproc.transport:InprocTransport",
+    options="mq.backends.inproc.options:InprocOptions",
+    routes=frozenset({"inproc"}),
+    summary="nodes of one process (the reference transport for tests and docs); not launchable",
+    data_paths=frozenset(),
+)

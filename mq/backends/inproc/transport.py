@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from mq.backends.inproc import BACKEND
 from mq.backends.inproc.options import SCHEME as _SCHEME
 from mq.backends.inproc.options import InprocOptions
 from mq.codec import Frame, split
@@ -31,7 +32,7 @@ class InprocTransport(Transport):
     """The ``inproc`` mq type's transport; its options are :class:`InprocOptions`."""
 
     name = "inproc"
-    routes = frozenset({"inproc"})
+    routes = BACKEND.routes
     Options = InprocOptions
 
     def __init__(self, node_id: int, options: InprocOptions, *, timeout: float = 30.0):

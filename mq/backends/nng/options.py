@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from mq.errors import ConfigError
-from mq.options import NNG_PROTOCOLS, TOPOLOGIES, check_bool, check_choice, check_int
+from mq.backends.nng import PROTOCOLS
+from mq.options import TOPOLOGIES, check_bool, check_choice, check_int
 
 _SCHEMES = ("tcp://", "tls+tcp://", "ipc://", "abstract://", "inproc://")
 _DEFAULT_LISTEN = "tcp://127.0.0.1:0"
@@ -55,12 +56,12 @@ class NngOptions:
             TLS (``tls+tcp://``), both ends proving a certificate signed by ``ca``. Same-host
             routes (shm, ipc, inproc) do not leave the host and stay as they are.
         unix_links: same-host peers (routes ``shm`` and ``ipc``) talk over unix SEQPACKET
-            sockets (:mod:`mq.backends.links.unix`), where a frame wakes the receiving thread
+            sockets (:mod:`mq.backends.nng.links.unix`), where a frame wakes the receiving thread
             directly (about half the round trip of NNG's ipc for small messages); False: NNG's
             ipc socket (the only one that batches, see ``batch_window``). Both ends must have
             it on; else NNG's ipc is used.
         tcp_links: peers on other hosts (route ``tcp``) talk over TCP sockets of mq's own
-            (:mod:`mq.backends.links.tcp`: one thread hop per frame where NNG's tcp takes
+            (:mod:`mq.backends.nng.links.tcp`: one thread hop per frame where NNG's tcp takes
             three), on an ephemeral port of ``listen_to``'s interface advertised in the
             handshake; NNG's port stays the one peers join at. Where that port cannot be
             reached, where TLS is on, or with ``batch_window`` set (batching is NNG's), NNG's
@@ -90,7 +91,7 @@ class NngOptions:
     tls_files: dict[str, str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        check_choice(self.protocol, "protocol", NNG_PROTOCOLS)
+        check_choice(self.protocol, "protocol", PROTOCOLS)
         set_ = object.__setattr__  # frozen: normalized once, here
         set_(self, "listen_to", _listen_address(self.listen_to, self.tls))
         set_(self, "attach_to", _attach_addresses(self.attach_to))

@@ -2,7 +2,7 @@
 
 Every node listens with a Pull0 inbox (NNG) on its advertised port and on abstract/inproc
 addresses, and, by default, on a unix SEQPACKET link and a TCP link of mq's own
-(:mod:`mq.backends.links`). Why not a Bus0 socket: a bus drops messages when a receiver is
+(:mod:`mq.backends.nng.links`). Why not a Bus0 socket: a bus drops messages when a receiver is
 slow. Each sender->receiver pair is one ordered stream, and a full receiver stops reading,
 which blocks the sender up to its timeout (backpressure) instead of dropping.
 
@@ -35,9 +35,10 @@ from pynng import ffi, lib
 from pynng.exceptions import check_err
 
 from mq import handshake
-from mq.backends.links import tcp as tcplink
-from mq.backends.links import unix as unixlink
-from mq.backends.links.base import Sender
+from mq.backends.nng import ROUTES
+from mq.backends.nng.links import tcp as tcplink
+from mq.backends.nng.links import unix as unixlink
+from mq.backends.nng.links.base import Sender
 from mq.backends.nng.busypoll import BusyPoll
 from mq.backends.nng.options import NngOptions, check_address
 from mq.backends.nng.outbox import Outbox
@@ -47,7 +48,7 @@ from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError
 from mq.locality import local
 from mq.reader_token import GRACE_S, ReaderToken
 from mq.rendezvous import Rendezvous, attach_targets
-from mq.routing import BACKEND_ROUTES, Route
+from mq.routing import Route
 from mq.transport import Events, Transport
 
 log = logging.getLogger("mq.nng")
@@ -70,7 +71,7 @@ class NngTransport(Transport):
         self.attach_to = list(options.attach_to)
         self.protocol = options.protocol
         auto = options.protocol == "auto"
-        self.routes = BACKEND_ROUTES["nng"] if auto else frozenset({"inproc", options.protocol})
+        self.routes = ROUTES if auto else frozenset({"inproc", options.protocol})
         self.shm_ok = auto  # a forced protocol means that socket, bytes included
         self.timeout = timeout
         self.rendezvous = (Rendezvous(options.init_method, node_id, options.world_size, timeout=timeout)

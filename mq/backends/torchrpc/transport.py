@@ -70,7 +70,7 @@ from mq.codec import Frame
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.locality import Locality, local
 from mq.rendezvous import Rendezvous
-from mq.routing import BACKEND_ROUTES, Route, select_route
+from mq.routing import ALL_ROUTES, Route, select_route
 from mq.transport import Events, Receipt, Transport
 
 log = logging.getLogger("mq.torchrpc")
@@ -106,7 +106,7 @@ class TorchRpcTransport(Transport):
         self.device = options.device
         self.mq_type = options.mq_type
         # GPU tensors of torchrpc:cpu are staged through host: no CUDA IPC route.
-        self.routes = BACKEND_ROUTES["torchrpc"] - ({"nvlink"} if self.device == "cpu" else set())
+        self.routes = ALL_ROUTES - ({"nvlink"} if self.device == "cpu" else set())
         self.addresses: dict[str, str] = {}
         self._node: Events | None = None
         self.world_size = world_size

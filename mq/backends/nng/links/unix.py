@@ -28,7 +28,7 @@ import struct
 import time
 from typing import Any, Callable
 
-from mq.backends.links.base import Receiver, Sender, listener
+from mq.backends.nng.links.base import Receiver, Sender, listener
 from mq.codec import Frame, empty_buffer
 from mq.errors import ProtocolError, Timeout
 

@@ -3,7 +3,7 @@
 Why not NNG's tcp: as over its ipc, an NNG message crosses three threads on each side (the
 caller's, NNG's poller, NNG's task thread), each hop a futex wake. Here the sender's ``send()``
 writes the socket and the receiving thread, waiting in ``poll()`` on it, reads the frame
-itself: one hop, as :mod:`mq.backends.links.unix` does on one host. NNG keeps the node's
+itself: one hop, as :mod:`mq.backends.nng.links.unix` does on one host. NNG keeps the node's
 advertised port (``listen_to``, ``--ports``): joining (HELLO) goes there, and the HELLO carries
 this node's link address, an ephemeral port on the same interface. A peer that cannot open it
 (a firewall that lets only the advertised port in) falls back to NNG's tcp, with a warning.
@@ -33,8 +33,8 @@ import struct
 import time
 from typing import Any, Callable
 
-from mq.backends.links import warm
-from mq.backends.links.base import Receiver, Sender, listener
+from mq.backends.nng.links import warm
+from mq.backends.nng.links.base import Receiver, Sender, listener
 from mq.codec import RELAY, Frame, empty_buffer
 from mq.cut_through import Arrival, header_end
 from mq.errors import MQError, ProtocolError, Timeout

@@ -3,7 +3,7 @@ accepted connection (:class:`Receiver`: frame size bounds before and after the h
 the sending side of an outgoing one (:class:`Sender`: one frame at a time, deadlines, the
 peer's loss reported once).
 
-The links (:mod:`mq.backends.links.unix` on one host, :mod:`mq.backends.links.tcp` between
+The links (:mod:`mq.backends.nng.links.unix` on one host, :mod:`mq.backends.nng.links.tcp` between
 hosts) subclass these with their own wire format; the nng transport reads and writes them.
 """
 
