@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 from mq.errors import Timeout
 
@@ -337,6 +337,27 @@ class ReleaseQueue:
 
 
 # ---------------------------------------------------------------------- the interface
+class Reader(Protocol):
+    """A peer's memory opened here (what :meth:`DataPath.accept` returns), kept on the peer as
+    ``Peer.readers[tag]``; dispatch hands it the descriptors of that peer's frames."""
+
+    refused: int  # descriptors refused so far
+
+    def view(self, desc: Any) -> Any:
+        """A zero-copy view of the buffer ``desc`` names; its last reference dropped queues
+        the release. Every check runs before anything is touched.
+
+        Raises:
+            ProtocolError: a malformed, stale, out-of-bounds or unknown descriptor (counted
+                in ``refused``): hostile input never maps or faults anything.
+        """
+        ...
+
+    def close(self) -> None:
+        """The peer is gone: unmap/close what no view references (the rest when views go)."""
+        ...
+
+
 class DataPath:
     """One data path of one node (see the module docstring). A path is made by its route's
     entry in :data:`PATHS` as ``cls.make(host, options)``: ``host`` is the node's sender
@@ -369,7 +390,7 @@ class DataPath:
         """What a peer needs to open this node's memory (None: nothing to offer)."""
         raise NotImplementedError
 
-    def accept(self, peer: int, offer: Any) -> Any:
+    def accept(self, peer: int, offer: Any) -> Reader:
         """Open ``peer``'s offered memory here: its reader (``view(desc)``, ``close()``,
         ``refused``), kept on the peer (``Peer.readers[tag]``).
 

@@ -80,7 +80,8 @@ class Sender:
         self._by_tag = {path.tag: path for path in self.paths.values()}
         self.tags = frozenset(self._by_tag)  # descriptor tags of our paths (None: untagged, shm)
         self._gpu_paths = {route: path for route, path in self.paths.items() if path.device == "cuda"}
-        self._wants_cpu = _never  # whether a buffer of n bytes leaves the inline fast path
+        # Whether a CPU buffer of n bytes leaves the inline fast path (None: no CPU path here).
+        self._wants_cpu: Callable[[int], bool] | None = None
 
     # ------------------------------------------------------------------ the paths by name
     @property
@@ -127,7 +128,8 @@ class Sender:
         """Send one frame to ``peers`` through each one's data path, then wait for every
         receipt together (a transfer from the caller's memory must finish before we return).
         A peer the frame never reached gives back its slot references at once."""
-        if len(peers) == 1 and not frame.gpu and (not frame.sizes or not self._wants_cpu(max(frame.sizes))):
+        if len(peers) == 1 and not frame.gpu and (
+                self._wants_cpu is None or not frame.sizes or not self._wants_cpu(max(frame.sizes))):
             # One peer, every buffer inline: the common small message.
             receipt = self._send_checked(peers[0], frame, max(0.0, deadline - time.monotonic()))
             if frame.kind == MSG:
@@ -277,7 +279,7 @@ class Sender:
             path.open()
         # The inline fast path asks the CPU paths only whether a buffer is large enough for them.
         cpu = [path.wants for path in self.paths.values() if path.device == "cpu" and not path.unavailable]
-        self._wants_cpu = cpu[0] if len(cpu) == 1 else (lambda n: any(w(n) for w in cpu)) if cpu else _never
+        self._wants_cpu = cpu[0] if len(cpu) == 1 else (lambda n: any(w(n) for w in cpu)) if cpu else None
         if all(path.unavailable for path in self.paths.values()):
             return
         self._releaser = threading.Thread(target=self._release_loop, daemon=True,
@@ -363,7 +365,3 @@ class _Held:
             gone = [p for p in peers if p in holders]
             if gone and descs:
                 path.unhold(descs, gone)
-
-
-def _never(_nbytes: int) -> bool:
-    return False
