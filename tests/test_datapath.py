@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -165,3 +166,106 @@ def test_every_registered_path_implements_the_interface():
 def test_descriptor_tags():
     assert tag_of([1, 2, 3, 0, 8]) is None and tag_of(["cuda", 1, 2, 0, 8, 0]) == "cuda"
     assert tag_of("junk") is None and tag_of([]) is None
+
+
+# ---------------------------------------------------------------------- the sender asks each peer's path
+class _Buf:
+    def __init__(self, name: str, cuda: bool = False):
+        self.name, self.is_cuda = name, cuda
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class _Frame:
+    """What Sender._data_paths reads of a frame: its buffers, sizes, staging and descriptors."""
+
+    def __init__(self, buffers: list, sizes: list[int], tag: str = "frame"):
+        self.buffers, self.sizes, self.tag = buffers, sizes, tag
+        self.gpu = any(getattr(b, "is_cuda", False) for b in buffers)
+        self.stagings: list = []
+
+    def staged(self, skip: Any = ()) -> "_Frame":
+        self.stagings.append(sorted(skip))
+        return _Frame([_Buf(f"host-{b}") if getattr(b, "is_cuda", False) and i not in skip else b
+                       for i, b in enumerate(self.buffers)], self.sizes, f"staged{sorted(skip)}")
+
+    def with_descriptors(self, descs: dict) -> tuple:
+        return (self.tag, dict(sorted(descs.items())))
+
+
+class _Path(DataPath):
+    def __init__(self, route: str, device: str, tag: str | None, not_ready: tuple = ()):
+        self.route, self.device, self.tag, self.not_ready = route, device, tag, not_ready
+        self.placed: list = []
+        self.unheld: list = []
+
+    def takes(self, buffers, sizes):
+        on_device = lambda b: getattr(b, "is_cuda", False) == (self.device == "cuda")  # noqa: E731
+        return [i for i, b in enumerate(buffers) if sizes[i] >= 100 and on_device(b)]
+
+    def ready(self, peers, buffers, sizes, indices, deadline):
+        return [p for p in peers if p not in self.not_ready]
+
+    def place(self, peers, buffers, indices, deadline, descs=None):
+        for i in indices:
+            self.placed.append((repr(buffers[i]), tuple(peers)))
+            descs[i] = [self.tag, repr(buffers[i])]
+        return descs
+
+    def unhold(self, descs, peers):
+        self.unheld.append((sorted(descs), sorted(peers)))
+
+
+def _sender_with(cpu: _Path, gpu: _Path, peers: dict) -> Any:
+    from mq.sender import Sender
+
+    s = object.__new__(Sender)  # only what choosing the data paths reads
+    s._peer_get = peers.get
+    s._gpu_paths = {gpu.route: gpu}
+    s._stages_gpu = True
+    return s
+
+
+def test_the_sender_asks_each_peers_chosen_path_one_copy_per_path():
+    from types import SimpleNamespace as NS
+
+    from mq.sender import _Held
+
+    cpu, gpu = _Path("shm", "cpu", None), _Path("nvlink", "cuda", "cuda", not_ready=(2,))
+    route = lambda g: NS(gpu=g)  # noqa: E731
+    peers = {1: NS(route=route("nvlink"), cpu_path=cpu),  # GPU by descriptor, CPU by shm
+             2: NS(route=route("nvlink"), cpu_path=cpu),  # nvlink not ready: GPU staged, then by shm
+             3: NS(route=route("shm"), cpu_path=cpu),  # no GPU path: staged, then by shm
+             4: NS(route=route("tcp"), cpu_path=None)}  # inline, GPU staged
+    sender = _sender_with(cpu, gpu, peers)
+    frame = _Frame([_Buf("big"), _Buf("gbig", cuda=True), _Buf("small"), _Buf("gsmall", cuda=True)],
+                   [500, 500, 10, 10])
+    frames = sender._data_paths([1, 2, 3, 4], frame, time.monotonic() + 5, _Held())
+    # one device copy for peer 1, one host copy of each big CPU buffer for the shm peers,
+    # one copy of the staged GPU buffer for the shm peers that did not get it by descriptor
+    assert gpu.placed == [("gbig", (1,))]
+    assert cpu.placed == [("big", (1, 2, 3)), ("host-gbig", (2, 3))]
+    assert frames[1] == ("staged[1]", {0: [None, "big"], 1: ["cuda", "gbig"]})
+    assert frames[2] == frames[3] == ("staged[]", {0: [None, "big"], 1: [None, "host-gbig"]})
+    assert frames[4].tag == "staged[]" and frames[4].buffers[1].name == "host-gbig"
+    assert frames[2] is frames[3]  # peers on the same paths share one frame
+
+
+def test_a_failed_place_gives_back_what_the_frame_held_on_every_path():
+    from types import SimpleNamespace as NS
+
+    from mq.sender import _Held
+
+    class _Full(_Path):
+        def place(self, peers, buffers, indices, deadline, descs=None):
+            descs[indices[0]] = [self.tag, "first"]
+            raise Timeout("full")
+
+    cpu, gpu = _Full("shm", "cpu", None), _Path("nvlink", "cuda", "cuda")
+    peers = {1: NS(route=NS(gpu="nvlink"), cpu_path=cpu), 2: NS(route=NS(gpu="shm"), cpu_path=cpu)}
+    sender = _sender_with(cpu, gpu, peers)
+    frame = _Frame([_Buf("big"), _Buf("gbig", cuda=True)], [500, 500])
+    with pytest.raises(Timeout):
+        sender._data_paths([1, 2], frame, time.monotonic() + 5, _Held())
+    assert gpu.unheld == [([1], [1])] and cpu.unheld == [([0], [1, 2])]
