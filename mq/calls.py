@@ -94,7 +94,7 @@ class Calls:
         same-host channels); descriptors would need a second message to give the slots back.
         Losing the peer meanwhile ends the exchange in the transport, which says how."""
         p = self._sender.checked_peer(peer, frame, "call")
-        if self._sender.gpu.takes(peer, frame):
+        if self._sender.by_descriptor(peer, frame):
             return None  # GPU tensors to an nvlink peer go by CUDA IPC descriptor, as a REQ frame
         left = deadline - time.monotonic()
         if left <= 0:

@@ -42,12 +42,13 @@ import reprlib
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from cffi import FFI
 
-from mq.errors import ConfigError, ProtocolError, Timeout
+from mq.datapath import Slot, SlotPool, SlotTable
+from mq.errors import ConfigError, ProtocolError
 from mq.options import check_int
 
 log = logging.getLogger("mq.cuda_ipc")
@@ -221,100 +222,14 @@ def _round(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-# ---------------------------------------------------------------------- slot bookkeeping
-@dataclass
-class _Slot:
-    slot_id: int  # never reused: it is the slot's generation too
-    offset: int
-    size: int
-    holders: dict[int, int] = field(default_factory=dict)  # peer -> views it may still hold
-    pinned: bool = False  # from alloc(): the user's, never freed while referenced
-
-
-class SlotTable:
-    """First-fit placement of slots in ``size`` bytes, with holders counted per peer. Pure
-    bookkeeping (no CUDA), so the rules run on any machine. Not thread-safe: the pool locks."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.free: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted, coalesced
-        self.slots: dict[int, _Slot] = {}
-        self._ids = itertools.count(1)
-
-    def take(self, nbytes: int) -> _Slot | None:
-        need = _round(max(nbytes, 1))
-        for i, (off, length) in enumerate(self.free):
-            if length >= need:
-                if length == need:
-                    del self.free[i]
-                else:
-                    self.free[i] = (off + need, length - need)
-                slot = _Slot(next(self._ids), off, need)
-                self.slots[slot.slot_id] = slot
-                return slot
-        return None
-
-    def hold(self, slot: _Slot, peers: list[int]) -> None:
-        for peer in peers:
-            slot.holders[peer] = slot.holders.get(peer, 0) + 1
-
-    def release(self, peer: int, slot_id: Any, count: Any = 1) -> bool:
-        """False when it does not match what ``peer`` holds (stale or forged)."""
-        slot = self.slots.get(slot_id) if type(slot_id) is int else None
-        held = slot.holders.get(peer, 0) if slot is not None else 0
-        if slot is None or type(count) is not int or not 0 < count <= held:
-            return False
-        if held == count:
-            del slot.holders[peer]
-        else:
-            slot.holders[peer] = held - count
-        self._maybe_free(slot)
-        return True
-
-    def peer_gone(self, peer: int) -> None:
-        for slot in list(self.slots.values()):
-            if slot.holders.pop(peer, None) is not None:
-                self._maybe_free(slot)
-
-    def unpin(self, slot: _Slot) -> None:
-        slot.pinned = False
-        self._maybe_free(slot)
-
-    def _maybe_free(self, slot: _Slot) -> None:
-        if slot.holders or slot.pinned:
-            return
-        del self.slots[slot.slot_id]
-        self.free.append((slot.offset, slot.size))
-        self.free.sort()
-        merged: list[tuple[int, int]] = []
-        for off, length in self.free:
-            if merged and merged[-1][0] + merged[-1][1] == off:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((off, length))
-        self.free = merged
-
-    def held_by(self) -> dict[int, int]:
-        """Bytes each peer holds."""
-        out: dict[int, int] = {}
-        for slot in self.slots.values():
-            for peer in slot.holders:
-                out[peer] = out.get(peer, 0) + slot.size
-        return out
-
-    def owner(self, offset: int, nbytes: int) -> _Slot | None:
-        for slot in self.slots.values():
-            if slot.pinned and slot.offset <= offset and offset + nbytes <= slot.offset + slot.size:
-                return slot
-        return None
-
-
 # ---------------------------------------------------------------------- the sender side
-class DevicePool:
+class DevicePool(SlotPool):
     """This node's pool on GPU ``device`` (the sender side of the cuda_ipc path).
 
     Thread-safe. ``place`` never synchronizes the host with the GPU.
     """
+
+    handle_name = "this CUDA buffer"
 
     _ids = itertools.count(1)
 
@@ -347,10 +262,11 @@ class DevicePool:
                 ev.record(self.stream)
             self.event_handles = [bytes(ev.ipc_handle()) for ev in self.events]
         self._next_event = itertools.cycle(range(EVENTS))
-        self._table = SlotTable(self.max_bytes)
-        self._cond = threading.Condition()
-        self._closed = False
         self.stats = {"placed": 0, "by_handle": 0, "copied_bytes": 0, "waits": 0, "stale_releases": 0}
+        # Slots first fit in the one allocation, holders per peer: the table every data path shares.
+        self._slots = SlotTable(self.max_bytes, ALIGN, stats=self.stats)
+        self._cond = self._slots.cond
+        self._closed = False
 
     def info(self) -> dict[str, Any]:
         """What a peer needs to open this pool (checked there by :func:`check_pool_info`)."""
@@ -374,9 +290,9 @@ class DevicePool:
         ptr = tensor.data_ptr()
         caller = torch.cuda.current_stream(self.device)
         with self._cond:
-            slot = self._table.owner(ptr - self.base, nbytes) if self.base <= ptr < self.base + self.max_bytes else None
+            slot = self._slots.owner(ptr - self.base, nbytes) if self.base <= ptr < self.base + self.max_bytes else None
             if slot is not None:  # by handle: ready once the caller's queued writes are done
-                self._table.hold(slot, holders)
+                self._slots.hold(slot, holders)
                 k = next(self._next_event)
                 # Recorded on the copy stream like every ring event, so a reused event index
                 # never orders less than it did: the stream runs its records in order.
@@ -385,7 +301,7 @@ class DevicePool:
                 self.stats["by_handle"] += 1
                 return [TAG, self.pool_id, slot.slot_id, ptr - self.base, nbytes, k]
             slot = self._take(nbytes, timeout)
-            self._table.hold(slot, holders)
+            self._slots.hold(slot, holders)
             k = next(self._next_event)
             # Issued under the lock: the event ring is recorded in the order slots are handed out.
             dst = self.memory[slot.offset:slot.offset + nbytes]
@@ -402,47 +318,32 @@ class DevicePool:
         self.stats["copied_bytes"] += nbytes
         return [TAG, self.pool_id, slot.slot_id, slot.offset, nbytes, k]
 
-    def _take(self, nbytes: int, timeout: float) -> _Slot:
+    def _take(self, nbytes: int, timeout: float) -> Slot:
         if not self.fits(nbytes):
             raise ConfigError(f"a {nbytes}-byte tensor does not fit the CUDA pool of "
                               f"{self.max_bytes} bytes: raise cuda_pool_bytes")
-        deadline = time.monotonic() + timeout
-        waited = False
-        while True:
-            if self._closed:
-                raise ConfigError("the CUDA pool is closed (the queue stopped)")
-            slot = self._table.take(nbytes)
-            if slot is not None:
-                return slot
-            left = deadline - time.monotonic()
-            if left <= 0:
-                held = self._table.held_by()
-                who = ", ".join(f"node {p}: {n >> 20} MiB" for p, n in sorted(held.items())) or "alloc() buffers"
-                raise Timeout(f"the CUDA pool on cuda:{self.device} stayed full for {timeout:g}s "
-                              f"({self.max_bytes >> 20} MiB; held by {who}): receivers must drop or "
-                              "copy the tensors they keep, or raise cuda_pool_bytes / pass timeout=")
-            if not waited:
-                self.stats["waits"] += 1
-                waited = True
-            self._cond.wait(min(left, 0.1))
+        return self._slots.wait_for(lambda: self._fit(nbytes), timeout, lambda: self._full(timeout))
+
+    def _fit(self, nbytes: int) -> Slot | None:
+        if self._closed:
+            raise ConfigError("the CUDA pool is closed (the queue stopped)")
+        return self._slots.take(nbytes)
+
+    def _full(self, timeout: float) -> str:
+        held = self._slots.held_by()
+        who = ", ".join(f"node {p}: {n >> 20} MiB" for p, n in sorted(held.items())) or "alloc() buffers"
+        return (f"the CUDA pool on cuda:{self.device} stayed full for {timeout:g}s "
+                f"({self.max_bytes >> 20} MiB; held by {who}): receivers must drop or "
+                "copy the tensors they keep, or raise cuda_pool_bytes / pass timeout=")
 
     # ------------------------------------------------------------------ releasing
     def release(self, peer: int, slot_id: Any, count: Any = 1) -> bool:
-        with self._cond:
-            ok = self._table.release(peer, slot_id, count)
-            if not ok:
-                self.stats["stale_releases"] += 1
-            self._cond.notify_all()
-            return ok
-
-    def peer_gone(self, peer: int) -> None:
-        with self._cond:
-            self._table.peer_gone(peer)
-            self._cond.notify_all()
+        """``peer`` dropped ``count`` views of slot ``slot_id``; False (counted) when stale or forged."""
+        return self._slots.release(peer, slot_id, count)
 
     def held_bytes(self) -> int:
         with self._cond:
-            return sum(s.size for s in self._table.slots.values() if s.holders)
+            return self._slots.held_bytes()
 
     # ------------------------------------------------------------------ by handle
     def alloc(self, shape: Any, dtype: Any, timeout: float = 0.0) -> Any:
@@ -467,32 +368,15 @@ class DevicePool:
         # Its own storage object (not a slice of self.memory), so its lifetime is the user's
         # tensor's: when the last view of it is garbage, the slot is unpinned.
         memory = _Memory(self.base + slot.offset, nbytes)
-        weakref.finalize(memory, self._unpin, slot)
+        weakref.finalize(memory, self._slots.unpin, slot)
         return torch.as_tensor(memory, device=f"cuda:{self.device}").view(dtype).view(shape)
 
-    def _unpin(self, slot: _Slot) -> None:
-        with self._cond:
-            self._table.unpin(slot)
-            self._cond.notify_all()
-
-    def holders_of(self, tensor: Any) -> int:
-        with self._cond:
-            slot = self._table.owner(tensor.data_ptr() - self.base, tensor.numel() * tensor.element_size())
-            if slot is None:
-                raise ConfigError("this tensor was not allocated with q.alloc(..., device='cuda:N'): "
-                                  "only pool buffers are sent by handle")
-            return sum(slot.holders.values())
-
-    def wait_released(self, tensor: Any, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self.holders_of(tensor):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    slot = self._table.owner(tensor.data_ptr() - self.base, 1)
-                    raise Timeout(f"nodes {sorted(slot.holders) if slot else []} still hold views of this "
-                                  f"CUDA buffer after {timeout:g}s: they must drop (or copy) what they received")
-                self._cond.wait(min(left, 0.1))
+    def _slot_of(self, tensor: Any) -> Slot:
+        slot = self._slots.owner(tensor.data_ptr() - self.base, tensor.numel() * tensor.element_size())
+        if slot is None:
+            raise ConfigError("this tensor was not allocated with q.alloc(..., device='cuda:N'): "
+                              "only pool buffers are sent by handle")
+        return slot
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -28,7 +28,7 @@ from mq import handshake as _handshake
 from mq.calls import Calls
 from mq.codec import (BYE, GPU_POOL, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELAY, RELEASE, REP_ERR,
                       REP_OK, REQ, SUBS, Codec, Envelope, Frame, buffer_nbytes, split)
-from mq.cuda_ipc import TAG as CUDA_TAG
+from mq.datapath import tag_of
 from mq.cut_through import body_offset
 from mq.delivery import Delivery
 from mq.errors import PeerLeft, ProtocolError
@@ -245,18 +245,20 @@ class Dispatch:
             self._liveness.on_bye(env)
 
     def _resolve_for(self, link: Any) -> Callable[[int, Any], Any]:
+        tags = self._sender.tags
         def resolve(sender: int, desc: Any) -> Any:
             # Descriptors only from the authenticated peer of this link, into its own pools.
             p = self._peer_of.get(self._links.get(link, -1))
             if p is not None and p.lost:  # its pools went with it: say so, not "malformed"
                 raise PeerLeft(f"a frame from node {sender}, which {p.lost}, whose buffers were in its pool")
-            if type(desc) is list and desc and desc[0] == CUDA_TAG:
-                if p is None or p.node_id != sender or p.gpu_reader is None:
-                    raise ProtocolError(f"a CUDA descriptor claiming node {sender} on a link whose "
-                                        "peer never offered a CUDA pool here")
-                return p.gpu_reader.view(desc)
-            if p is None or p.node_id != sender or p.reader is None:
-                raise ProtocolError(f"a shared-memory descriptor claiming node {sender} on a link "
-                                    "without a shm route")
-            return p.reader.view(desc)
+            # The descriptor's tag names its data path (untagged or unknown: shm, which refuses
+            # what it cannot read); that path's reader on the peer checks the rest.
+            tag = tag_of(desc)
+            if tag not in tags:
+                tag = None
+            reader = p.readers.get(tag) if p is not None and p.node_id == sender else None
+            if reader is None:
+                raise ProtocolError(f"a {tag or 'shared-memory'} descriptor claiming node {sender} on a "
+                                    "link whose peer never offered that memory here")
+            return reader.view(desc)
         return resolve

@@ -1,7 +1,8 @@
-"""Which GPU buffers of a frame go by CUDA IPC descriptor, to which peers (route ``nvlink``).
+"""The nvlink data path of one node: CUDA tensors by CUDA IPC descriptor to same-host peers.
 
-:class:`GpuPath` is the node's part of the cuda_ipc data path (:mod:`mq.cuda_ipc` is the
-memory itself). It owns this node's :class:`~mq.cuda_ipc.DevicePool` per GPU, made at the first
+:class:`GpuPath` is the cuda_ipc memory (:mod:`mq.cuda_ipc`) behind the
+:class:`~mq.datapath.DataPath` interface; it decides which GPU buffers of a frame go by
+descriptor and to which of the peers whose route chose it. It owns this node's :class:`~mq.cuda_ipc.DevicePool` per GPU, made at the first
 GPU send to an ``nvlink`` peer, and each peer's verdict on each of our pools: the first real
 open of a pool by the peer confirms the route, or drops it to staging through host memory with
 the CUDA error in ``routes()``. Receiving, it opens the pools peers offer
@@ -22,15 +23,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from mq import cuda_ipc, peer_route
+from mq.codec import GPU_POOL
+from mq.datapath import DataPath, cuda_buffers
 from mq.errors import ConfigError, MQError, ProtocolError
 from mq.options import check_int
 from mq.peers import Peer, PeerTable
-
-if TYPE_CHECKING:
-    from mq.codec import Frame
 
 log = logging.getLogger("mq")
 
@@ -39,13 +39,8 @@ log = logging.getLogger("mq")
 VERDICT_WAIT_S = 30.0
 
 
-def cuda_buffers(buffers: list[Any], sizes: list[int], at_least: int = 1) -> list[int]:
-    """Indices of the CUDA tensors of at least ``at_least`` bytes among a frame's buffers."""
-    return [i for i, b in enumerate(buffers) if sizes[i] >= at_least and getattr(b, "is_cuda", False)]
-
-
-class GpuPath:
-    """The cuda_ipc path of node ``node_id`` (see the module docstring).
+class GpuPath(DataPath):
+    """The cuda_ipc path of node ``node_id`` (see the module docstring), route ``nvlink``.
 
     Args:
         send_control: ``send_control(peer, payload, timeout)`` sends a GPU_POOL frame.
@@ -55,6 +50,10 @@ class GpuPath:
         pool_bytes: each pool's bound (None: min(4 GiB, a sixteenth of the GPU)).
         inline_max: GPU tensors smaller than this are staged through host memory.
     """
+
+    route = "nvlink"
+    tag = cuda_ipc.TAG
+    device = "cuda"
 
     def __init__(self, node_id: int, peers: PeerTable, send_control: Callable[[int, Any, float], None],
                  release: Callable[[int, int, int, Any], None], *, enabled: bool,
@@ -80,40 +79,61 @@ class GpuPath:
         self._closed = False
         self.stats = {"offers": 0, "verdicts_ok": 0, "verdicts_failed": 0, "staged_frames": 0}
 
+    @classmethod
+    def make(cls, host: Any, options: dict[str, Any]) -> "GpuPath":
+        releases, send_control = host.releases, host.send_control
+        inline_max = options["cuda_inline_max"]
+
+        def send(peer: int, payload: Any, timeout: float) -> None:
+            send_control(peer, GPU_POOL, payload, timeout)
+
+        def released(peer: int, pool_id: int, slot_id: int, event: Any) -> None:
+            releases.put(peer, (cuda_ipc.TAG, pool_id), slot_id, event)
+
+        return cls(host.node_id, host.peers, send, released, enabled=options["cuda"],
+                   pool_bytes=options["cuda_pool_bytes"], incarnation=options["incarnation"],
+                   inline_max=cuda_ipc.DEFAULT_INLINE_MAX if inline_max is None else inline_max)
+
     # ------------------------------------------------------------------ sending
-    def place(self, peers: list[int], buffers: list[Any], sizes: list[int],
-              deadline: float) -> tuple[list[int], dict[int, list[Any]]]:
-        """Descriptors for the CUDA buffers of a frame: ``(peers that get them, {index:
-        descriptor})``. The other peers get those buffers staged through host memory."""
-        idx = self._by_descriptor(buffers, sizes)
-        candidates = [p for p in peers if self._nvlink(p)]
-        if not idx or not candidates or self.unavailable:
-            return [], {}
-        pools = {}
-        for i in idx:
+    def wants(self, nbytes: int) -> bool:
+        return nbytes >= self.inline_max
+
+    def takes(self, buffers: list[Any], sizes: list[int]) -> list[int]:
+        """The CUDA buffers that go by descriptor: large ones, and any in our pool already."""
+        return self._by_descriptor(buffers, sizes)
+
+    def ready(self, peers: list[int], buffers: list[Any], sizes: list[int], indices: list[int],
+              deadline: float) -> list[int]:
+        """The ``peers`` (their route is nvlink) that opened the pools these buffers go to;
+        offers them first. None when the frame must be staged (no pool, too large)."""
+        if not indices or not peers or self.unavailable:
+            return []
+        pools: dict[int, cuda_ipc.DevicePool] = {}
+        for i in indices:
             device = buffers[i].device.index
             pool = pools.get(device) or self._pool(device)
             if pool is None:
-                return [], {}
-            if not pool.fits(sizes[i]):  # this frame is staged; the route stays nvlink
+                return []
+            if not pool.fits(sizes[i]):
+                # this frame is staged; the route stays nvlink
                 self.stats["staged_frames"] += 1
-                self._note(candidates, f"tensors larger than the CUDA pool ({pool.max_bytes} bytes) are "
+                self._note(peers, f"tensors larger than the CUDA pool ({pool.max_bytes} bytes) are "
                            "staged through host: raise cuda_pool_bytes")
-                return [], {}
+                return []
             pools[device] = pool
-        ready = [p for p in candidates if all(self._opened(p, pool, deadline) for pool in pools.values())]
+        ready = [p for p in peers if all(self._opened(p, pool, deadline) for pool in pools.values())]
         if not ready:
             self.stats["staged_frames"] += 1
-            return [], {}
-        descs: dict[int, list[Any]] = {}
-        try:
-            for i in idx:
-                t = buffers[i]
-                descs[i] = pools[t.device.index].place(t, ready, max(0.0, deadline - time.monotonic()))
-        except BaseException:
-            self.unhold(descs, ready)
-            raise
-        return ready, descs
+        return ready
+
+    def place(self, peers: list[int], buffers: list[Any], indices: list[int], deadline: float,
+              descs: dict[int, list[Any]] | None = None) -> dict[int, list[Any]]:
+        """One device copy per buffer into our pool on its GPU, held for ``peers``."""
+        descs = {} if descs is None else descs
+        for i in indices:
+            t = buffers[i]
+            descs[i] = self.pools[t.device.index].place(t, peers, max(0.0, deadline - time.monotonic()))
+        return descs
 
     def unhold(self, descs: dict[int, list[Any]], peers: list[int]) -> None:
         """The frame never reached ``peers``: give back the slots held for them."""
@@ -123,19 +143,9 @@ class GpuPath:
                 if pool is not None:
                     pool.release(peer, slot_id)
 
-    def takes(self, peer: int, frame: Frame) -> bool:
-        """Whether ``frame``'s GPU buffers would go to ``peer`` by descriptor (its route is
-        nvlink and this path is usable), so the frame must travel as a frame, not inline."""
-        return (bool(frame.gpu) and self.enabled and not self.unavailable and self._nvlink(peer)
-                and bool(self._by_descriptor(frame.buffers, frame.sizes)))
-
     def _by_descriptor(self, buffers: list[Any], sizes: list[int]) -> list[int]:
         # Small tensors are staged, unless they lie in our pool already (alloc: no copy at all).
         return [i for i in cuda_buffers(buffers, sizes) if sizes[i] >= self.inline_max or self._in_pool(buffers[i])]
-
-    def _nvlink(self, peer: int) -> bool:
-        p = self._peers.get(peer)
-        return p is not None and p.route is not None and p.route.gpu == "nvlink"
 
     def _pool(self, device: int) -> cuda_ipc.DevicePool | None:
         with self._cond:
@@ -242,8 +252,7 @@ class GpuPath:
         error: str | None = None
         t0 = time.perf_counter()
         try:
-            reader = self.reader_for(peer)
-            reader.open(info)
+            self.accept(peer, info)
         except (MQError, cuda_ipc.CudaError, RuntimeError, OSError) as exc:
             error = str(exc)
             log.warning("node %d: cannot open node %d's CUDA pool: %s", self.node_id, peer, error)
@@ -267,14 +276,31 @@ class GpuPath:
             if p.route is None or p.route.gpu != "nvlink":
                 raise ProtocolError(f"GPU payloads from node {peer} do not take nvlink here "
                                     f"({p.route.reason if p.route else 'no route'})")
-            if p.gpu_reader is None:
+            reader = p.readers.get(self.tag)
+            if reader is None:
                 loc = p.info.get("locality") or {}
                 uuids = [g.get("uuid") for g in loc.get("gpus") or () if isinstance(g, dict)]
                 release = self._release
-                p.gpu_reader = cuda_ipc.PeerPools(
+                reader = p.readers[self.tag] = cuda_ipc.PeerPools(
                     peer, loc.get("pid"), uuids,
                     lambda pool_id, slot_id, event, peer=peer: release(peer, pool_id, slot_id, event))
-            return p.gpu_reader
+            return reader
+
+    def offer(self, device: int = 0) -> Any:
+        """Our pool on ``device`` as a peer opens it (sent in a GPU_POOL frame at the first
+        send to each nvlink peer)."""
+        return self.pool_for(device).info()
+
+    def accept(self, peer: int, offer: Any) -> cuda_ipc.PeerPools:
+        """Open ``peer``'s pool described by ``offer`` here (idempotent); its reader.
+
+        Raises:
+            ProtocolError: the description is refused (nothing was opened).
+            CudaError: the driver could not open it.
+        """
+        reader = self.reader_for(peer)
+        reader.open(offer)
+        return reader
 
     def on_frame(self, peer: int, payload: Any) -> None:
         """A GPU_POOL frame from an authenticated peer (its offer, or its verdict on ours)."""
@@ -287,10 +313,11 @@ class GpuPath:
         else:
             raise ProtocolError(f"node {peer}: a GPU_POOL frame is an offer or a verdict")
 
-    def on_release(self, peer: int, pool_id: Any, slot_id: Any, count: Any) -> None:
-        pool = self._pool_by_id(pool_id)
-        if pool is not None:
-            pool.release(peer, slot_id, count)
+    def on_release(self, peer: int, item: list[Any]) -> None:
+        if len(item) == 4:
+            pool = self._pool_by_id(item[1])
+            if pool is not None:
+                pool.release(peer, item[2], item[3])
 
     # ------------------------------------------------------------------ housekeeping
     def forget(self, peer: Peer) -> None:
@@ -302,13 +329,14 @@ class GpuPath:
                 self._verdicts.pop(key, None)
                 self._asked.pop(key, None)
             self._cond.notify_all()
-        if peer.gpu_reader is not None:
-            live = peer.gpu_reader.live_views()
+        reader = peer.readers.get(self.tag)
+        if reader is not None:
+            live = reader.live_views()
             if live:
                 log.warning("node %d: node %d is gone while %d view(s) of its GPU memory are held here: "
                             "their contents are undefined now (clone() what you keep)",
                             self.node_id, peer.node_id, live)
-            peer.gpu_reader.close()
+            reader.close()
 
     def pool_for(self, device: int) -> cuda_ipc.DevicePool:
         """Our pool on ``device`` (for alloc)."""
@@ -323,8 +351,15 @@ class GpuPath:
             raise MQError("this tensor was not allocated with q.alloc(..., device='cuda:N')")
         return pool
 
+    def _readers(self) -> list[cuda_ipc.PeerPools]:
+        return [r for r in (p.readers.get(self.tag) for p in self._peers.list()) if r is not None]
+
+    def counters(self) -> dict[str, Any]:
+        """The cuda_ipc path's counters (empty while it was never used)."""
+        return self.summary() if self.pools or self._readers() else {}
+
     def summary(self) -> dict[str, Any]:
-        readers = [p.gpu_reader for p in self._peers.list() if p.gpu_reader is not None]
+        readers = self._readers()
         out: dict[str, Any] = dict(self.stats)
         for pool in self.pools.values():
             for k, v in pool.stats.items():
@@ -342,3 +377,5 @@ class GpuPath:
             self._cond.notify_all()
         for pool in list(self.pools.values()):
             pool.close()
+        for reader in self._readers():
+            reader.close()

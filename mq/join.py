@@ -25,7 +25,6 @@ from typing import Any, Callable
 from mq import auth as _auth
 from mq import handshake as _handshake
 from mq import peer_route
-from mq import shm as _shm
 from mq.codec import HELLO, HELLO_ACK, LINK, SUBS, Envelope
 from mq.errors import ConfigError, MQError, ProtocolError
 from mq.lifecycle import Lifecycle
@@ -78,7 +77,7 @@ class Join:
 
     # ------------------------------------------------------------------ greeting
     def hello_payload(self, token: str, nonce: bytes) -> dict[str, Any]:
-        pool, me = self._sender.pool, self._hello
+        me = self._hello
         return {
             "node_id": self.node_id,
             "labels": me["labels"],
@@ -91,7 +90,7 @@ class Join:
             "mq_type": me["mq_type"],
             "max_frame_bytes": me["max_frame_bytes"],
             "window": me["window"],
-            "shm": pool.probe_info() if pool is not None else None,
+            "shm": self._sender.shm.offer(),
         }
 
     def greet(self, target: Any) -> None:
@@ -123,7 +122,7 @@ class Join:
             self._tell_refused(peer_id, info, dict(ack, error=taken))
             raise _handshake.Refused("duplicate_id", taken)
         peer = self._new_peer(info)
-        ack["read_ok"] = peer.reader is not None
+        ack["read_ok"] = self._sender.shm.tag in peer.readers
         with self.lock:
             if len(self._pending) >= MAX_PENDING:  # a join flood must not grow without bound
                 self._drop_pending(next(iter(self._pending)), "too many joins in progress")
@@ -173,8 +172,8 @@ class Join:
         entry = self._pending.pop(key, None)
         if entry is None:
             return
-        if entry[1].reader is not None:
-            entry[1].reader.close()
+        for reader in entry[1].readers.values():
+            reader.close()
         live = self._peers.get(key[0])
         if live is None or live.lost:  # nobody else uses that id's link: close it
             threading.Thread(target=self._transport.disconnect, args=(key[0],), daemon=True).start()
@@ -243,7 +242,7 @@ class Join:
         if not same:
             self._transport.connect(peer_id, info, peer.route)
         link_msg: dict[str, Any] = {"node_id": self.node_id, "incarnation": self._hello["incarnation"],
-                                    "read_ok": peer.reader is not None}
+                                    "read_ok": self._sender.shm.tag in peer.readers}
         if self._secret is not None:
             link_msg["proof"] = self._secret.proof("link", mine, info["nonce"], self.node_id, peer_id,
                                                    self._hello["incarnation"])
@@ -319,25 +318,20 @@ class Join:
         limit, window = info.get("max_frame_bytes"), info.get("window")
         return Peer(peer_id, frozenset(str(x) for x in info.get("labels") or ()),
                     frozenset(str(x) for x in info.get("subscriptions") or ()), route,
-                    info=info, reader=reader,
+                    info=info, readers={self._sender.shm.tag: reader} if reader is not None else {},
                     max_frame_bytes=limit if type(limit) is int and limit > 0 else None,
                     window=window if type(window) is int and window > 0 else DEFAULT_WINDOW)
 
-    def _open_reader(self, peer_id: int, info: dict[str, Any],
-                     same_process: bool) -> tuple[_shm.PoolReader | None, str | None]:
-        """The peer's pool opened here, or why not (None, None: it has none, or no use)."""
-        pool = self._sender.pool
-        if pool is None or not self._transport.shm_ok or info.get("shm") is None or same_process:
+    def _open_reader(self, peer_id: int, info: dict[str, Any], same_process: bool) -> tuple[Any, str | None]:
+        """The peer's pool opened here (the shm path accepts its offer), or why not (None,
+        None: it has none, or no use)."""
+        shm = self._sender.shm
+        if shm.pool is None or not self._transport.shm_ok or info.get("shm") is None or same_process:
             return None, None
         try:
-            # We map at most what its pool announced, and at most what ours may hold (or
-            # the default, should ours be smaller than a legitimately larger peer's).
-            reader = _shm.PoolReader(peer_id, info["shm"], self._sender.releaser_for(peer_id),
-                                     max_bytes=max(pool.max_bytes, _shm.DEFAULT_POOL_BYTES))
-            why_not = reader.probe()
+            return shm.accept(peer_id, info["shm"]), None
         except ProtocolError as exc:
             return None, str(exc)
-        return (None, why_not) if why_not else (reader, None)
 
     def _on_link_verdict(self, peer_id: int, read_ok: Any) -> None:
         """The peer's verdict on our pool: descriptors go to it only if it could open it."""
@@ -345,8 +339,8 @@ class Join:
             peer = self._peers.get(peer_id)
             if peer is None or peer.route is None or peer.route.kind != "shm":
                 return
-            if read_ok is True:
-                peer.shm_out = True
+            if read_ok is True:  # it opened our pool: its large CPU buffers take the path
+                peer.cpu_path = self._sender.paths.get(peer.route.kind)
             else:  # it cannot read ours: sockets both ways
                 peer_route.refused_our_pool(peer, self._transport.routes)
             self._peers.changed.notify_all()

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mq import shm as _shm
 from mq.errors import ClosedError, ConfigError, PeerLost, Timeout
 from mq.lifecycle import Lifecycle
 from mq.routing import Route
@@ -42,9 +41,10 @@ class Peer:
     route: Route | None = None
     info: dict[str, Any] = field(default_factory=dict)  # its HELLO (addresses, locality, ...)
     lost: str | None = None  # why the peer is gone (None while it is alive)
-    reader: _shm.PoolReader | None = None  # its pool, opened here (we receive by descriptor)
-    shm_out: bool = False  # it opened our pool: we may send it descriptors
-    gpu_reader: Any = None  # its CUDA pools, opened here (mq.cuda_ipc.PeerPools; route nvlink)
+    # Its memory opened here, per data path (by descriptor tag; mq.datapath): we receive by
+    # descriptor only into these (shm: mq.shm.PoolReader under None; nvlink: mq.cuda_ipc.PeerPools).
+    readers: dict[Any, Any] = field(default_factory=dict)
+    cpu_path: Any = None  # the data path its large CPU buffers take (it opened our pool), None: inline
     max_frame_bytes: int | None = None  # the largest frame it accepts (from its HELLO)
     tx: int = 0  # counted frames sent to it
     rx: int = 0  # counted frames received from it

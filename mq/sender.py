@@ -1,13 +1,14 @@
 """Sending: from an encoded frame to ``transport.send``, through each peer's data path.
 
-:class:`Sender` owns the frame sequence numbers, this node's shared-memory pool (and the
-RELEASE frames that give a peer's slots back), and the choice per peer and per buffer between
-inline bytes and a shm descriptor. Data flows one way::
+:class:`Sender` owns the frame sequence numbers, this node's data paths (one per registered
+route, :data:`mq.datapath.PATHS`), the one release queue and the RELEASE frames that give a
+peer's slots back. Per peer it asks the peer's chosen path for each buffer, never the path's
+kind. Data flows one way::
 
     facade / calls / join / liveness / fan-out -> Sender.encode -> Sender.deliver_to
         -> data path per peer and buffer -> transport.send
-           CPU buffers: inline | one shm copy, descriptors (mq.shm)
-           GPU buffers: one device copy, CUDA IPC descriptors (route nvlink, mq.gpu_path)
+           CPU buffers: inline | the peer's CPU path (Peer.cpu_path: shm), one copy, descriptors
+           GPU buffers: the path its route names (Route.gpu: nvlink), one device copy, descriptors
                         | staged through host once, then as CPU buffers
 
 Counts what it sends (``Stats.sent``, per-peer ``tx``/``last_sent``, per-topic metrics); reads
@@ -22,11 +23,10 @@ import threading
 import time
 from typing import Any, Callable
 
-from mq import cuda_ipc as _cuda_ipc
+from mq import datapath as _datapath
 from mq import metrics as _metrics
-from mq import shm as _shm
-from mq.codec import GPU_POOL, MSG, RELAY, REP_ERR, REP_OK, REQ, RELEASE, Codec, Frame
-from mq.gpu_path import GpuPath, cuda_buffers
+from mq.codec import MSG, RELAY, REP_ERR, REP_OK, REQ, RELEASE, Codec, Frame
+from mq.datapath import DataPath, cuda_buffers, tag_of
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
 from mq.lifecycle import Lifecycle
 from mq.peers import Peer, PeerTable
@@ -55,29 +55,53 @@ class Sender:
     def __init__(self, node_id: int, transport: Transport, codec: Codec, peers: PeerTable,
                  life: Lifecycle, stats: Stats, metrics: _metrics.Metrics, *,
                  shm: bool, shm_options: tuple[int, int], cuda: bool = True,
-                 cuda_pool_bytes: int | None = None, cuda_inline_max: int = _cuda_ipc.DEFAULT_INLINE_MAX,
+                 cuda_pool_bytes: int | None = None, cuda_inline_max: int | None = None,
                  incarnation: str = ""):
-        _shm.Pool.check_options(*shm_options)
         self.node_id = node_id
         self._transport = transport
         self._send = transport.send
         self._codec = codec
+        self.peers = peers
         self._peers = peers
         self._peer_get = peers.get
         self._life = life
         self._stats = stats
         self._metrics = metrics
         self._seq = itertools.count()
-        self._shm_options = shm_options
-        self._shm_wanted = bool(shm)
-        self.pool: _shm.Pool | None = None
-        self.shm_unavailable: str | None = None if shm else "turned off (shm=False)"
-        self._releases = _shm.ReleaseQueue()
+        self.releases = _datapath.ReleaseQueue()  # every path's: one releaser thread sends them
         self._releaser: threading.Thread | None = None
         # Transports that carry tensors themselves (torch RPC) stage or map GPU tensors their way.
         self._stages_gpu = not transport.keeps_tensors
-        self.gpu = GpuPath(node_id, peers, self._send_gpu_pool, self._gpu_released, enabled=cuda,
-                           pool_bytes=cuda_pool_bytes, inline_max=cuda_inline_max, incarnation=incarnation)
+        options = {"shm": shm, "shm_options": shm_options, "cuda": cuda, "cuda_pool_bytes": cuda_pool_bytes,
+                   "cuda_inline_max": cuda_inline_max, "incarnation": incarnation}
+        #: route name -> this node's data path for it (mq.datapath.PATHS)
+        self.paths: dict[str, DataPath] = {route: _datapath.path_class(route).make(self, options)
+                                           for route in _datapath.PATHS}
+        self._by_tag = {path.tag: path for path in self.paths.values()}
+        self.tags = frozenset(self._by_tag)  # descriptor tags of our paths (None: untagged, shm)
+        self._gpu_paths = {route: path for route, path in self.paths.items() if path.device == "cuda"}
+        # Whether a CPU buffer of n bytes leaves the inline fast path (None: no CPU path here).
+        self._wants_cpu: Callable[[int], bool] | None = None
+
+    # ------------------------------------------------------------------ the paths by name
+    @property
+    def shm(self) -> Any:
+        """The shm path (its offer and accept ride in the join handshake)."""
+        return self.paths["shm"]
+
+    @property
+    def gpu(self) -> Any:
+        """The nvlink path (CUDA IPC; its GPU_POOL frames, alloc on a GPU)."""
+        return self.paths["nvlink"]
+
+    @property
+    def pool(self) -> Any:
+        """This node's shared-memory pool, None without one (fan-out lends from it)."""
+        return self.shm.pool
+
+    @property
+    def shm_unavailable(self) -> str | None:
+        return self.shm.unavailable
 
     # ------------------------------------------------------------------ frames
     def encode(self, kind: int, topic: str, payload: Any, corr: int = 0) -> Frame:
@@ -105,7 +129,7 @@ class Sender:
         receipt together (a transfer from the caller's memory must finish before we return).
         A peer the frame never reached gives back its slot references at once."""
         if len(peers) == 1 and not frame.gpu and (
-                self.pool is None or not frame.sizes or not self.pool.wants(max(frame.sizes))):
+                self._wants_cpu is None or not frame.sizes or not self._wants_cpu(max(frame.sizes))):
             # One peer, every buffer inline: the common small message.
             receipt = self._send_checked(peers[0], frame, max(0.0, deadline - time.monotonic()))
             if frame.kind == MSG:
@@ -113,7 +137,7 @@ class Sender:
             if receipt is not None:
                 receipt()
             return
-        held = _Held(self)
+        held = _Held()
         frames = self._data_paths(peers, frame, deadline, held)
         receipts: list[Receipt] = []
         try:
@@ -138,47 +162,75 @@ class Sender:
             raise errors[0]
 
     def _data_paths(self, peers: list[int], frame: Frame, deadline: float, held: "_Held") -> dict[int, Frame]:
-        """The frame each peer gets. GPU buffers go by CUDA IPC descriptor to ``nvlink`` peers
-        that opened our pool (one device copy shared by all of them), staged through host to
-        the others (one host copy, unless the transport carries tensors itself). Large CPU
-        buffers, staged ones too, go by shm descriptor to peers that read our pool (one copy
-        shared by all of them), inline to the others. GPU tensors under ``cuda_inline_max`` are
-        staged for every peer."""
-        gpu_peers: list[int] = []
-        if frame.gpu:
-            gpu_peers, held.gpu = self.gpu.place(peers, frame.buffers, frame.sizes, deadline)
-            held.gpu_peers = gpu_peers
-        others = [p for p in peers if p not in gpu_peers]
-        host = frame.staged() if frame.gpu and others and self._stages_gpu else frame
-        pool = self.pool
-        shm_peers = [p for p in peers if getattr(self._peer_get(p), "shm_out", False)] if pool is not None else []
-        cpu_descs: dict[int, list[int]] = {}
-        staged_descs: dict[int, list[int]] = {}
+        """The frame each peer gets. GPU buffers go by descriptor to peers whose route's GPU
+        path (nvlink) is ready for them (one device copy shared by all of them), staged through
+        host to the others (one host copy, unless the transport carries tensors itself). Large
+        CPU buffers, staged ones too, go by descriptor through each peer's CPU path (shm: one
+        copy shared by all of them), inline to the others. GPU tensors under a GPU path's
+        inline bound are staged for every peer."""
+        gpu_of: dict[int, dict[int, list[Any]]] = {}  # peer -> its GPU descriptors
+        cpu_of: dict[int, tuple[dict[int, list[Any]], dict[int, list[Any]]]] = {}  # peer -> (CPU, staged)
         try:
-            if shm_peers:
-                assert pool is not None
-                cpu_big = [i for i, n in enumerate(frame.sizes) if pool.wants(n) and _on_cpu(frame.buffers[i])]
-                cpu_descs = held.place_shm(cpu_big, frame, shm_peers, deadline)
-                staged_peers = [p for p in shm_peers if p in others] if host is not frame else []
+            if frame.gpu:
+                for path, group in self._grouped(peers, self._gpu_path_of):
+                    idx = path.takes(frame.buffers, frame.sizes)
+                    ready = path.ready(group, frame.buffers, frame.sizes, idx, deadline) if idx else []
+                    if ready:
+                        descs = held.place(path, ready, frame.buffers, idx, deadline)
+                        gpu_of.update(dict.fromkeys(ready, descs))
+            others = [p for p in peers if p not in gpu_of]
+            host = frame.staged() if frame.gpu and others and self._stages_gpu else frame
+            on_gpu = set(cuda_buffers(frame.buffers, frame.sizes)) if host is not frame else set()
+            for path, group in self._grouped(peers, self._cpu_path_of):
+                cpu = held.place(path, group, frame.buffers, path.takes(frame.buffers, frame.sizes), deadline)
+                staged_peers = [p for p in group if p in others] if on_gpu else []
+                staged: dict[int, list[Any]] = {}
                 if staged_peers:
-                    staged = [i for i in cuda_buffers(frame.buffers, frame.sizes) if pool.wants(host.sizes[i])]
-                    staged_descs = held.place_shm(staged, host, staged_peers, deadline)
+                    idx = [i for i in path.takes(host.buffers, host.sizes) if i in on_gpu]
+                    staged = held.place(path, staged_peers, host.buffers, idx, deadline)
+                ours, theirs = (cpu, cpu), (cpu, staged)  # one per kind of peer: frames are shared
+                for p in group:
+                    cpu_of[p] = ours if p in gpu_of else theirs
         except BaseException:
             held.give_back(peers)
             raise
         frames: dict[int, Frame] = {}
-        made: dict[tuple[bool, bool], Frame] = {}  # (gets CUDA descriptors, reads our pool) -> frame
+        made: dict[tuple[int, int], Frame] = {}  # (its GPU descriptors, its CPU ones) -> frame
         for p in peers:
-            key = (p in gpu_peers, p in shm_peers)
+            g, c = gpu_of.get(p), cpu_of.get(p)
+            key = (id(g), id(c))
             f = made.get(key)
             if f is None:
-                shm_descs = ({**cpu_descs} if key[0] else {**cpu_descs, **staged_descs}) if key[1] else {}
-                descs = {**held.gpu, **shm_descs} if key[0] else shm_descs
-                # nvlink peers get the small GPU tensors staged too, the large ones by descriptor
-                base = (frame.staged(skip=held.gpu) if self._stages_gpu else frame) if key[0] else host
+                cpu_descs = ({**c[0], **c[1]} if c[1] is not c[0] else {**c[0]}) if c is not None else {}
+                descs = {**g, **cpu_descs} if g is not None else cpu_descs
+                # peers with GPU descriptors get the small GPU tensors staged, the large by descriptor
+                base = (frame.staged(skip=g) if self._stages_gpu else frame) if g is not None else host
                 f = made[key] = base.with_descriptors(descs) if descs else base
             frames[p] = f
         return frames
+
+    def _grouped(self, peers: list[int], path_of: Callable[[int], DataPath | None]) -> list[tuple[DataPath, list[int]]]:
+        """``peers`` by the data path ``path_of`` chose for each (those with none left out)."""
+        groups: dict[DataPath, list[int]] = {}
+        for p in peers:
+            path = path_of(p)
+            if path is not None:
+                groups.setdefault(path, []).append(p)
+        return list(groups.items())
+
+    def _cpu_path_of(self, peer: int) -> DataPath | None:
+        p = self._peer_get(peer)
+        return p.cpu_path if p is not None else None
+
+    def _gpu_path_of(self, peer: int) -> DataPath | None:
+        p = self._peer_get(peer)
+        return self._gpu_paths.get(p.route.gpu) if p is not None and p.route is not None else None
+
+    def by_descriptor(self, peer: int, frame: Frame) -> bool:
+        """Whether ``frame``'s GPU buffers would go to ``peer`` by descriptor (its route's GPU
+        path is usable), so the frame must travel as a frame, not inline."""
+        path = self._gpu_path_of(peer) if frame.gpu else None
+        return path is not None and not path.unavailable and bool(path.takes(frame.buffers, frame.sizes))
 
     def checked_peer(self, peer: int, frame: Frame, what: str = "send") -> Peer:
         """The live peer ``peer`` if ``frame`` may go to it now; raises why not."""
@@ -220,58 +272,37 @@ class Sender:
         self._stats.sent += 1
         return receipt
 
-    # ------------------------------------------------------------------ the pool
+    # ------------------------------------------------------------------ the pools
     def open_pool(self) -> None:
-        """Make this node's pool (when wanted) and start returning peers' slots (shm and CUDA)."""
-        if self._shm_wanted:
-            try:
-                self.pool = _shm.Pool(*self._shm_options, label=str(self.node_id))
-            except OSError as exc:  # e.g. no memfd, or no memory for the probe: sockets only
-                self.shm_unavailable = f"cannot make a shared-memory pool here ({exc})"
-                log.warning("node %d: %s; same-host peers use a socket", self.node_id, self.shm_unavailable)
-        if self.pool is None and not self.gpu.enabled:
+        """Make this node's pools (when wanted) and start returning peers' slots."""
+        for path in self.paths.values():
+            path.open()
+        # The inline fast path asks the CPU paths only whether a buffer is large enough for them.
+        cpu = [path.wants for path in self.paths.values() if path.device == "cpu" and not path.unavailable]
+        self._wants_cpu = cpu[0] if len(cpu) == 1 else (lambda n: any(w(n) for w in cpu)) if cpu else None
+        if all(path.unavailable for path in self.paths.values()):
             return
         self._releaser = threading.Thread(target=self._release_loop, daemon=True,
                                           name=f"mq{self.node_id}-shm-release")
         self._releaser.start()
 
-    def need_pool(self) -> _shm.Pool:
-        if self.pool is None:
-            why = self.shm_unavailable or "the queue is not listening (use `with q:` or q.listen())"
-            raise ConfigError(f"node {self.node_id} has no shared-memory pool: {why}")
-        return self.pool
-
-    def releaser_for(self, peer: int) -> Callable[[int, int], None]:
-        """What a reader of ``peer``'s pool calls when our views of a slot are gone."""
-        put = self._releases.put
-        return lambda seg_id, gen: put(peer, seg_id, gen)
-
-    def _send_gpu_pool(self, peer: int, payload: Any, timeout: float) -> None:
-        self.send_control(peer, GPU_POOL, payload, timeout)
-
-    def _gpu_released(self, peer: int, pool_id: int, slot_id: int, event: Any) -> None:
-        """A view of ``peer``'s CUDA slot is gone here (from garbage collection)."""
-        self._releases.put(peer, ("cuda", pool_id), slot_id, event)
+    def need_pool(self) -> Any:
+        return self.shm.need_pool()
 
     def on_release(self, peer: int, items: Any) -> None:
-        """``peer``'s RELEASE frame: its views of our slots are gone."""
+        """``peer``'s RELEASE frame: its views of our slots are gone (each item to its path)."""
         if not isinstance(items, list):
             return
         for item in items:
-            if not isinstance(item, list):
-                continue
-            if len(item) == 3 and self.pool is not None:
-                self.pool.release(peer, *item)
-            elif len(item) == 4 and item[0] == "cuda":
-                self.gpu.on_release(peer, *item[1:])
+            if isinstance(item, list) and item:
+                path = self._by_tag.get(tag_of(item))
+                if path is not None:
+                    path.on_release(peer, item)
 
     def forget(self, peer: Peer, _why: str = "") -> None:
         """``peer`` is gone: its slots in our pools are free, its pools are closed here."""
-        if self.pool is not None:
-            self.pool.peer_gone(peer.node_id)
-        if peer.reader is not None:
-            peer.reader.close()
-        self.gpu.forget(peer)
+        for path in self.paths.values():
+            path.forget(peer)
 
     def disconnect(self, peer: Peer, _why: str = "") -> None:
         """``peer`` is gone: close its link, so every send blocked on it returns now. Not from
@@ -289,34 +320,22 @@ class Sender:
             log.debug("node %d: disconnect from node %d", self.node_id, node_id, exc_info=True)
 
     def pool_stats(self) -> dict[str, int]:
-        if self.pool is None:
-            return {}
-        readers = [p.reader for p in self._peers.list() if p.reader is not None]
-        return dict(self.pool.stats, peers_mapped_bytes=sum(r.mapped_bytes for r in readers),
-                    descriptors_refused=sum(r.refused for r in readers))
+        return self.shm.counters()
 
     def gpu_stats(self) -> dict[str, int]:
         """The cuda_ipc path's counters (empty while it was never used)."""
-        used = self.gpu.pools or any(p.gpu_reader is not None for p in self._peers.list())
-        return self.gpu.summary() if used else {}
+        return self.gpu.counters()
 
     def close(self) -> None:
-        """After the transport closed: wake the releaser, close the pools."""
-        self._releases.wake()
-        self.gpu.close()
-        for p in self._peers.list():
-            if p.gpu_reader is not None:
-                p.gpu_reader.close()
-        readers = [p.reader for p in self._peers.list() if p.reader is not None]
-        for reader in readers:
-            reader.close()
-        if self.pool is not None:
-            self.pool.close()
+        """After the transport closed: wake the releaser, close the paths."""
+        self.releases.wake()
+        for path in reversed(self.paths.values()):
+            path.close()
 
     def _release_loop(self) -> None:
         """Send RELEASE frames for slots our receivers' views no longer reference (batched)."""
         while self._life.state in ("new", "listening", "stopping"):
-            for peer, items in self._releases.take(0.5).items():
+            for peer, items in self.releases.take(0.5).items():
                 p = self._peer_get(peer)
                 if p is None or p.lost:
                     continue  # its pool went with it
@@ -329,33 +348,20 @@ class Sender:
 class _Held:
     """The slots one frame holds for its peers, given back to the peers it never reached."""
 
-    def __init__(self, sender: Sender):
-        self._sender = sender
-        self.gpu: dict[int, list[Any]] = {}  # buffer index -> CUDA descriptor
-        self.gpu_peers: list[int] = []
-        self._shm: list[tuple[dict[int, list[int]], list[int]]] = []  # (descriptors, their holders)
+    def __init__(self) -> None:
+        self._placed: list[tuple[DataPath, dict[int, list[Any]], list[int]]] = []  # (path, descriptors, holders)
 
-    def place_shm(self, indices: list[int], frame: Frame, peers: list[int], deadline: float) -> dict[int, list[int]]:
-        pool = self._sender.pool
-        assert pool is not None
-        descs: dict[int, list[int]] = {}
-        self._shm.append((descs, peers))
-        for i in indices:
-            descs[i] = pool.place(frame.buffers[i], peers, max(0.0, deadline - time.monotonic()))
+    def place(self, path: DataPath, peers: list[int], buffers: list[Any], indices: list[int],
+              deadline: float) -> dict[int, list[Any]]:
+        descs: dict[int, list[Any]] = {}
+        if indices:
+            self._placed.append((path, descs, peers))  # before placing: a partial place is held too
+            path.place(peers, buffers, indices, deadline, descs)
         return descs
 
     def give_back(self, peers: list[int]) -> None:
         """The frame never reached ``peers``: give back the slot references held for them."""
-        pool = self._sender.pool
-        for descs, holders in self._shm:
-            for seg_id, _fd, gen, _off, _n in descs.values():
-                for peer in peers:
-                    if pool is not None and peer in holders:
-                        pool.release(peer, seg_id, gen)
-        if self.gpu:
-            self._sender.gpu.unhold(self.gpu, [p for p in peers if p in self.gpu_peers])
-
-
-def _on_cpu(buf: Any) -> bool:
-    device = getattr(buf, "device", None)
-    return device is None or getattr(device, "type", "cpu") == "cpu"
+        for path, descs, holders in self._placed:
+            gone = [p for p in peers if p in holders]
+            if gone and descs:
+                path.unhold(descs, gone)

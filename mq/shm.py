@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import itertools
 import logging
 import mmap
 import os
@@ -54,13 +53,13 @@ import queue
 import reprlib
 import struct
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 from cffi import FFI
 
+from mq.datapath import Slot, SlotPool, SlotTable
 from mq.errors import ConfigError, ProtocolError, Timeout
 from mq.options import check_int
 
@@ -124,30 +123,33 @@ def _address(buf: Any) -> tuple[int, int]:
     return int(_ffi.cast("uintptr_t", _ffi.from_buffer(mv))), mv.nbytes
 
 
-@dataclass
-class _Segment:
-    """One memfd of the pool: a slot holding one buffer at a time."""
+@dataclass(eq=False, kw_only=True)
+class _Segment(Slot):
+    """One memfd of the pool: a slot holding one buffer at a time (``gen`` bumped on reuse)."""
 
-    seg_id: int
     fd: int
-    capacity: int
     mm: mmap.mmap
     base: int  # address of the data (after the header)
-    gen: int = 0
-    holders: dict[int, int] = field(default_factory=dict)  # peer -> views it may still hold
-    pinned: bool = False  # allocated by the user (alloc): never reused while referenced
     user_view: Any = None  # the numpy array handed out by alloc()
     lent: bool = False  # a frame from another host lies in it (lend): views of it may live here
+
+    @property
+    def seg_id(self) -> int:
+        return self.slot_id
+
+    @property
+    def capacity(self) -> int:
+        return self.size
 
     @property
     def free(self) -> bool:
         return not self.holders and not self.pinned and not self.lent
 
     def write_header(self, state: int = _LIVE) -> None:
-        _HEAD.pack_into(self.mm, 0, _MAGIC, self.gen, state, self.seg_id)
+        _HEAD.pack_into(self.mm, 0, _MAGIC, self.gen, state, self.slot_id)
 
 
-class Pool:
+class Pool(SlotPool):
     """This node's shared memory for the shm data path (the sender side).
 
     Args:
@@ -167,16 +169,17 @@ class Pool:
         self.max_bytes = max_bytes
         self.inline_max = inline_max
         self.label = label
-        self._cond = threading.Condition()
-        self._segments: dict[int, _Segment] = {}
+        self.stats = {"placed": 0, "by_handle": 0, "copied_bytes": 0, "waits": 0,
+                      "stale_releases": 0, "segments": 0, "lent": 0}
+        # Holders per peer, releases, backpressure: the table every data path shares.
+        self._slots = SlotTable(on_released=_writable_again, stats=self.stats)
+        self._cond = self._slots.cond
+        self._segments: dict[int, _Segment] = self._slots.slots  # type: ignore[assignment]
         self._by_address: list[tuple[int, int, _Segment]] = []  # (start, end, seg) for handles
-        self._ids = itertools.count(1)
         self._bytes = 0
         self._closed = False
         self._lent_bytes = 0
         self._returned: queue.SimpleQueue = queue.SimpleQueue()  # lent segments whose views are gone
-        self.stats = {"placed": 0, "by_handle": 0, "copied_bytes": 0, "waits": 0,
-                      "stale_releases": 0, "segments": 0, "lent": 0}
         # A tiny segment peers open during the handshake to prove they can read this pool.
         self._probe = self._new_segment(0)
         self._probe.pinned = True
@@ -209,7 +212,7 @@ class Pool:
         with self._cond:
             seg = self._owner(addr, nbytes)
             if seg is not None:  # sent by handle: share the user's slot
-                self._hold(seg, holders)
+                self._slots.hold(seg, holders)
                 self.stats["by_handle"] += 1
                 if seg.user_view is not None:
                     seg.user_view.flags.writeable = False  # the sender's copy is shared now
@@ -217,17 +220,13 @@ class Pool:
             seg = self._take(nbytes, timeout)
             seg.gen += 1
             seg.write_header()
-            self._hold(seg, holders)
+            self._slots.hold(seg, holders)
         # Copy outside the lock: other senders may place meanwhile.
         dst = np.frombuffer(seg.mm, np.uint8, nbytes, _HEADER)
         np.copyto(dst, _as_uint8(buf))
         self.stats["placed"] += 1
         self.stats["copied_bytes"] += nbytes
         return [seg.seg_id, seg.fd, seg.gen, 0, nbytes]
-
-    def _hold(self, seg: _Segment, holders: list[int]) -> None:
-        for peer in holders:
-            seg.holders[peer] = seg.holders.get(peer, 0) + 1
 
     def _owner(self, addr: int, nbytes: int) -> _Segment | None:
         for start, end, seg in self._by_address:
@@ -245,32 +244,28 @@ class Pool:
         if cap > self.max_bytes:
             raise ConfigError(f"a {nbytes}-byte buffer does not fit the shared-memory pool "
                               f"({self.max_bytes} bytes): raise shm_pool_bytes")
-        deadline = time.monotonic() + timeout
-        waited = False
-        while True:
-            self._collect_lent()
-            if self._closed:
-                raise ConfigError("the shared-memory pool is closed (the queue stopped)")
-            fits = [s for s in self._segments.values()
-                    if reuse and s.free and nbytes <= s.capacity <= 2 * cap]
-            if fits:
-                return min(fits, key=lambda s: s.capacity)
-            if self._bytes + cap > self.max_bytes:
-                self._retire_free(self._bytes + cap - self.max_bytes)
-            if self._bytes + cap <= self.max_bytes:
-                return self._new_segment(cap, populate)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                held = sum(s.capacity for s in self._segments.values() if not s.free)
-                raise Timeout(
-                    f"the shared-memory pool stayed full for {timeout:g}s ({held >> 20} MiB of "
-                    f"{self.max_bytes >> 20} MiB held by receivers that still reference earlier "
-                    "messages, or by alloc() buffers): receivers must drop or copy what they "
-                    "keep, or raise shm_pool_bytes / pass timeout= to wait longer")
-            if not waited:
-                self.stats["waits"] += 1
-                waited = True
-            self._cond.wait(min(left, 0.1))
+        return self._slots.wait_for(lambda: self._fit(nbytes, cap, reuse, populate), timeout,
+                                    lambda: self._full(timeout))
+
+    def _fit(self, nbytes: int, cap: int, reuse: bool, populate: bool) -> _Segment | None:
+        self._collect_lent()
+        if self._closed:
+            raise ConfigError("the shared-memory pool is closed (the queue stopped)")
+        fits = [s for s in self._segments.values() if reuse and s.free and nbytes <= s.capacity <= 2 * cap]
+        if fits:
+            return min(fits, key=lambda s: s.capacity)
+        if self._bytes + cap > self.max_bytes:
+            self._retire_free(self._bytes + cap - self.max_bytes)
+        if self._bytes + cap <= self.max_bytes:
+            return self._new_segment(cap, populate)
+        return None
+
+    def _full(self, timeout: float) -> str:
+        held = sum(s.capacity for s in self._segments.values() if not s.free)
+        return (f"the shared-memory pool stayed full for {timeout:g}s ({held >> 20} MiB of "
+                f"{self.max_bytes >> 20} MiB held by receivers that still reference earlier "
+                "messages, or by alloc() buffers): receivers must drop or copy what they "
+                "keep, or raise shm_pool_bytes / pass timeout= to wait longer")
 
     def _new_segment(self, capacity: int, populate: bool = False) -> _Segment:
         fd = os.memfd_create(f"{_NAME_PREFIX}{self.label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -284,9 +279,8 @@ class Pool:
             os.close(fd)
             raise
         base = int(_ffi.cast("uintptr_t", _ffi.from_buffer(mm))) + _HEADER
-        seg = _Segment(next(self._ids), fd, capacity, mm, base)
+        seg = self._slots.add(_Segment(slot_id=self._slots.next_id(), size=capacity, fd=fd, mm=mm, base=base))
         seg.write_header()
-        self._segments[seg.seg_id] = seg
         self._bytes += capacity
         self.stats["segments"] += 1
         return seg
@@ -316,30 +310,7 @@ class Pool:
     def release(self, peer: int, seg_id: Any, gen: Any, count: Any = 1) -> bool:
         """``peer`` dropped ``count`` views of slot ``seg_id`` generation ``gen``. False (and
         counted) when that does not match what the peer holds: stale or forged."""
-        with self._cond:
-            seg = self._segments.get(seg_id) if isinstance(seg_id, int) else None
-            held = seg.holders.get(peer, 0) if seg is not None else 0
-            if seg is None or gen != seg.gen or not isinstance(count, int) or not 0 < count <= held:
-                self.stats["stale_releases"] += 1
-                return False
-            if held == count:
-                del seg.holders[peer]
-            else:
-                seg.holders[peer] = held - count
-            self._after_release(seg)
-            return True
-
-    def peer_gone(self, peer: int) -> None:
-        """A peer left or died: whatever it held is free again."""
-        with self._cond:
-            for seg in list(self._segments.values()):
-                if seg.holders.pop(peer, None) is not None:
-                    self._after_release(seg)
-
-    def _after_release(self, seg: _Segment) -> None:
-        if not seg.holders and seg.user_view is not None:
-            seg.user_view.flags.writeable = True
-        self._cond.notify_all()
+        return self._slots.release(peer, seg_id, count, gen)
 
     # ------------------------------------------------------------------ lending
     def lend(self, nbytes: int) -> memoryview | None:
@@ -421,33 +392,12 @@ class Pool:
         seg.user_view = arr
         return arr
 
-    def holders_of(self, buf: Any) -> int:
-        """How many views of the pool buffer ``buf`` receivers may still hold."""
-        addr, nbytes = _address(buf)
-        with self._cond:
-            seg = self._owner(addr, nbytes)
-            if seg is None:
-                raise ConfigError("this buffer was not allocated with q.alloc(): only pool "
-                                  "buffers are sent by handle")
-            return sum(seg.holders.values())
-
-    def wait_released(self, buf: Any, timeout: float) -> None:
-        """Block until no receiver holds a view of pool buffer ``buf``; then the sender may
-        write it again.
-
-        Raises:
-            Timeout: a receiver still holds it after ``timeout`` seconds.
-        """
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self.holders_of(buf):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    seg = self._owner(*_address(buf))
-                    peers = sorted(seg.holders) if seg else []
-                    raise Timeout(f"nodes {peers} still hold views of this buffer after "
-                                  f"{timeout:g}s: they must drop (or copy) what they received")
-                self._cond.wait(min(left, 0.1))
+    def _slot_of(self, buf: Any) -> _Segment:
+        seg = self._owner(*_address(buf))
+        if seg is None:
+            raise ConfigError("this buffer was not allocated with q.alloc(): only pool "
+                              "buffers are sent by handle")
+        return seg
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -461,6 +411,12 @@ class Pool:
                     os.close(seg.fd)
                     del self._segments[seg.seg_id]
             self._cond.notify_all()
+
+
+def _writable_again(seg: Any) -> None:
+    """Every receiver released an alloc() buffer: the sender's numpy view is its own again."""
+    if seg.user_view is not None:
+        seg.user_view.flags.writeable = True
 
 
 def _as_uint8(buf: Any) -> np.ndarray:
@@ -682,47 +638,3 @@ class PoolReader:
             self._closed = True
             for seg_id in list(self._maps):
                 self._unmap(seg_id)
-
-
-class ReleaseQueue:
-    """Collects releases from garbage collection (any thread, any moment) without locks, and
-    hands them out in batches per peer. A CUDA view's release carries an event recorded on the
-    stream of the thread that dropped it: :meth:`take` waits for it (the receiver's GPU work on
-    the view is done) before the slot is handed back."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-
-    def put(self, peer: int, seg_id: Any, gen: int, event: Any = None) -> None:
-        """``seg_id``: a shm segment id, or ``("cuda", pool id)`` with ``gen`` the slot id."""
-        self._q.put((peer, seg_id, gen, event))
-
-    def take(self, timeout: float) -> dict[int, list[list[Any]]]:
-        """Releases by peer as ``[[seg_id, gen, count], ...]`` (shm) and ``["cuda", pool,
-        slot, count]`` (CUDA); waits up to ``timeout`` for one."""
-        try:
-            first = self._q.get(timeout=timeout)
-        except queue.Empty:
-            return {}
-        counts: dict[tuple[int, Any, int], int] = {}
-        events = []
-        item = first
-        while True:
-            if item is not None:
-                peer, seg_id, gen, event = item
-                counts[peer, seg_id, gen] = counts.get((peer, seg_id, gen), 0) + 1
-                if event is not None:
-                    events.append(event)
-            try:
-                item = self._q.get_nowait()
-            except queue.Empty:
-                break
-        for event in events:
-            event.synchronize()
-        out: dict[int, list[list[Any]]] = {}
-        for (peer, seg_id, gen), n in counts.items():
-            out.setdefault(peer, []).append([*seg_id, gen, n] if type(seg_id) is tuple else [seg_id, gen, n])
-        return out
-
-    def wake(self) -> None:
-        self._q.put(None)  # type: ignore[arg-type]

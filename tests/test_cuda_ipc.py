@@ -1,4 +1,4 @@
-"""The cuda_ipc path's host-side rules, on any machine (no GPU needed): slot bookkeeping, the
+"""The cuda_ipc path's host-side rules, on any machine (no GPU needed): the
 checks on a peer's pool description and descriptors (all made before any CUDA call), the offer
 protocol, release batching, options, and hostile CUDA frames between real nng nodes. The GPU
 half runs in tests/test_cuda.py."""
@@ -10,70 +10,19 @@ import pytest
 import mq
 from mq import cuda_ipc
 from mq.codec import GPU_POOL, MSG
-from mq.cuda_ipc import ALIGN, EVENTS, HANDLE_BYTES, PeerPools, SlotTable, check_pool_info
+from mq.cuda_ipc import EVENTS, HANDLE_BYTES, PeerPools, check_pool_info
 from mq.errors import ProtocolError
 from mq.gpu_path import GpuPath
 from mq.lifecycle import Lifecycle
 from mq.peers import Peer, PeerTable
 from mq.routing import Route
-from mq.shm import ReleaseQueue
+from mq.datapath import ReleaseQueue
 from mq.testing import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 UUID = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 MB = 1 << 20
-
-
-# ---------------------------------------------------------------------- slots
-def test_slots_are_aligned_first_fit_and_coalesce_when_freed():
-    t = SlotTable(4 * ALIGN)
-    a, b, c = t.take(1), t.take(ALIGN + 1), t.take(ALIGN)
-    assert [s.offset for s in (a, b, c)] == [0, ALIGN, 3 * ALIGN]
-    assert t.take(1) is None  # full
-    for s in (a, b, c):
-        t.hold(s, [7])
-    assert t.held_by() == {7: 4 * ALIGN}
-    assert t.release(7, b.slot_id) and t.release(7, a.slot_id)
-    assert t.free == [(0, 3 * ALIGN)]  # the two neighbours became one free range
-    assert t.take(3 * ALIGN).offset == 0
-
-
-def test_a_slot_is_free_only_when_every_holder_released_it():
-    t = SlotTable(ALIGN)
-    s = t.take(10)
-    t.hold(s, [1, 2])
-    t.hold(s, [1])
-    assert t.release(1, s.slot_id, 2)
-    assert t.take(1) is None
-    assert t.release(2, s.slot_id)
-    assert t.take(1) is not None
-
-
-@pytest.mark.parametrize("forged", [("slot", 99), ("count", 0), ("count", 5), ("count", 1.0), ("slot", "1"),
-                                    ("peer", 3)])
-def test_forged_and_stale_releases_change_nothing(forged):
-    t = SlotTable(ALIGN)
-    s = t.take(10)
-    t.hold(s, [1])
-    what, value = forged
-    args = {"peer": 1, "slot": s.slot_id, "count": 1}
-    args[what] = value
-    assert not t.release(args["peer"], args["slot"], args["count"])
-    assert s.holders == {1: 1}
-
-
-def test_a_lost_peer_gives_back_what_it_held_and_pinned_slots_stay():
-    t = SlotTable(2 * ALIGN)
-    s, pinned = t.take(1), t.take(1)
-    pinned.pinned = True
-    t.hold(s, [4])
-    t.hold(pinned, [4])
-    t.peer_gone(4)
-    assert s.slot_id not in t.slots and pinned.slot_id in t.slots
-    assert t.owner(pinned.offset + 8, 16) is pinned and t.owner(s.offset, 1) is None
-    t.unpin(pinned)
-    assert t.free == [(0, 2 * ALIGN)]
 
 
 # ---------------------------------------------------------------------- pool descriptions
@@ -210,7 +159,7 @@ def test_a_hostile_offer_gets_a_refusing_verdict_and_opens_nothing():
     path.on_frame(1, {"offer": _info(pid=1)})
     assert wait_until(lambda: sent, timeout=5)
     assert "owner pid" in sent[0][1]["error"]
-    assert path._peers.get(1).gpu_reader.refused == 1 and path._peers.get(1).gpu_reader.opens == 0
+    assert path._peers.get(1).readers["cuda"].refused == 1 and path._peers.get(1).readers["cuda"].opens == 0
 
 
 def test_a_failed_verdict_stages_gpu_payloads_and_says_why_in_the_route():
@@ -289,7 +238,7 @@ def test_a_tensor_larger_than_the_pool_is_staged_and_the_route_says_so_but_stays
             return 1 << 40
 
     path.pools[0] = _Pool()
-    assert path.place([1], [_Big()], [2 * MB], deadline=0.0) == ([], {})
+    assert path.ready([1], [_Big()], [2 * MB], [0], deadline=0.0) == []
     route = path._peers.get(1).route
     assert route.gpu == "nvlink" and "raise cuda_pool_bytes" in route.reason
     assert path.stats["staged_frames"] == 1

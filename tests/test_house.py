@@ -164,3 +164,27 @@ def test_a_peer_route_is_written_only_by_its_owner():
                 if isinstance(t, ast.Attribute) and t.attr == "route":
                     offenders.append(f"{path}:{node.lineno} assigns .route")
     assert not offenders, "\n".join(offenders)
+
+
+def test_data_paths_do_not_import_each_other():
+    """Issue 37: a data path is a module (and the memory module only it uses) plus a line in
+    ``mq.datapath.PATHS``; what the paths share lives in ``mq.datapath``, which imports none of
+    them. So no path's modules import another path's."""
+    from mq.datapath import PATHS
+
+    sources = _sources("mq")
+    modules = {_module_name(p) for p in sources}
+    graph = {_module_name(p): _imports(p, t, modules) for p, t in sources.items()}
+    families = {}
+    for route, factory in PATHS.items():
+        module = factory.partition(":")[0] if isinstance(factory, str) else factory.__module__
+        # the path's module, and the memory modules it builds on (those that import mq.datapath)
+        families[route] = {module} | {m for m in graph[module] if "mq.datapath" in graph[m]}
+    assert len(families) >= 2 and all(len(f) >= 1 for f in families.values())
+    crossing = [f"{a} ({ra}) imports {b} ({rb})"
+                for ra, fa in families.items() for rb, fb in families.items() if ra != rb
+                for a in sorted(fa) for b in sorted(graph[a] & fb)]
+    assert not crossing, "data paths import each other:\n" + "\n".join(crossing)
+    shared = sorted(graph["mq.datapath"] & set().union(*families.values()))
+    assert not shared, f"mq.datapath (what the paths share) imports a path: {shared}"
+    assert families["shm"] >= {"mq.shm_path", "mq.shm"} and families["nvlink"] >= {"mq.gpu_path", "mq.cuda_ipc"}

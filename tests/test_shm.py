@@ -17,7 +17,8 @@ import pytest
 import mq
 from mq.testing import read_line, stop_processes, wait_until
 from mq.errors import ProtocolError
-from mq.shm import Pool, PoolReader, ReleaseQueue
+from mq.datapath import ReleaseQueue
+from mq.shm import Pool, PoolReader
 
 pytestmark = pytest.mark.timeout(90)
 
