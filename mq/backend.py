@@ -12,7 +12,6 @@ of its own package.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -148,9 +147,6 @@ class Backend:
     def transport_class(self) -> type:
         return import_ref(self.transport)
 
-    def options_class(self) -> type:
-        return import_ref(self.options)
-
     def flag_help(self, option: str) -> str:
         """The first sentence of ``option``'s entry under ``Args:`` in the options docstring."""
         doc, _ = _options_source(self.options)
@@ -169,9 +165,6 @@ class Backend:
 
     def doctor_section(self, me: Locality, peers: Mapping[str, Locality]) -> dict[str, Any]:
         return import_ref(self.doctor)(me, peers) if self.doctor else {}
-
-    def option_names(self) -> frozenset[str]:
-        return frozenset(f.name for f in dataclasses.fields(self.options_class()) if f.init)
 
 
 @functools.lru_cache(maxsize=None)

@@ -97,3 +97,28 @@ def test_mq_doctor_shows_it(site):
     assert rep["trust"]["toy"]["summary"].startswith("toy: trusts nobody")
     out = " ".join(_cli(site, "doctor").stdout.split())
     assert "backend toy" in out and "ready (a test's backend)" in out
+
+
+def test_mq_itself_names_an_option_it_does_not_have():
+    transport = registry.backend_class("inproc")[0]
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'queue_sz'; node options are .*queue_size"):
+        mq.MQ(0, transport=transport(0, transport.Options()), queue_sz=8)
+
+
+def test_a_broken_plug_in_is_skipped_with_a_warning_and_the_rest_still_work(tmp_path, monkeypatch, caplog):
+    info = tmp_path / "mqbroken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mqbroken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[mq.backends]\nbroken = mqbroken_missing:BACKEND\n"
+                                           "notabackend = json:dumps\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.rediscover()
+    try:
+        with caplog.at_level("WARNING", logger="mq"):
+            found = registry.backends()
+        assert {"nng", "torchrpc", "inproc"} <= set(found) and "broken" not in found
+        text = caplog.text
+        assert "backend entry point 'broken' (mqbroken_missing:BACKEND) does not load" in text
+        assert "backend entry point 'notabackend' (json:dumps) is not an mq.backend.Backend" in text
+    finally:
+        registry.rediscover()
