@@ -45,9 +45,10 @@ _U32 = struct.Struct("<I")
 # Frame kinds. Data flows one way through them: the backend only looks at ``kind``.
 # RELAY (last) carries a message through another node, see mq.fanout.
 # GPU_POOL offers a CUDA pool to a peer and carries its verdict, see mq.gpu_path.
-MSG, REQ, REP_OK, REP_ERR, HELLO, HELLO_ACK, SUBS, BYE, RELEASE, LINK, PING, RELAY, GPU_POOL = range(13)
+# PATH carries a data path's own control frames, ``[tag, body]`` (the rdma path's offers).
+MSG, REQ, REP_OK, REP_ERR, HELLO, HELLO_ACK, SUBS, BYE, RELEASE, LINK, PING, RELAY, GPU_POOL, PATH = range(14)
 KIND_NAMES = ("MSG", "REQ", "REP_OK", "REP_ERR", "HELLO", "HELLO_ACK", "SUBS", "BYE", "RELEASE", "LINK",
-              "PING", "RELAY", "GPU_POOL")
+              "PING", "RELAY", "GPU_POOL", "PATH")
 
 # msgpack extension codes of the payload tree.
 _EXT_TUPLE, _EXT_NDARRAY, _EXT_TENSOR, _EXT_PICKLE, _EXT_BYTES = 1, 2, 3, 4, 5

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable
 from mq import auth as _auth
 from mq import fanout as _fanout
 from mq import metrics as _metrics
+from mq import peer_route
 from mq.calls import Calls, remote_error
 from mq.codec import MSG, REP_OK, REQ, SUBS, Codec
 from mq.delivery import Delivery
@@ -103,11 +104,15 @@ class MQ:
                                        shm=opts.shm, shm_options=(opts.shm_pool_bytes, opts.shm_inline_max),
                                        cuda=opts.cuda, cuda_pool_bytes=opts.cuda_pool_bytes,
                                        cuda_inline_max=opts.cuda_inline_max,
-                                       incarnation=self.incarnation)
+                                       incarnation=self.incarnation, path_options={
+                                           "rdma": opts.rdma, "rdma_pool_bytes": opts.rdma_pool_bytes,
+                                           "rdma_inline_max": opts.rdma_inline_max, "secret": self.secret,
+                                           "locality": self.locality, "require_route": opts.require_route})
         self._calls = calls = Calls(node_id, sender, peers, transport, self.codec, life, stats, refusals,
                                     handler_threads=opts.handler_threads, timeout=self.timeout)
         self._liveness = liveness = Liveness(node_id, sender, peers, calls, life, heartbeat=self.heartbeat,
                                              peer_timeout=self.peer_timeout)
+        sender.rdma.reader_blocked = liveness.stalled  # a pull holds our reader: silence proves nothing
         self._delivery = delivery = Delivery(node_id, transport, life, metrics, calls.handler_slots,
                                              liveness.stalled, queue_size=opts.queue_size,
                                              queue_bytes=opts.queue_bytes)
@@ -116,7 +121,8 @@ class MQ:
                  "incarnation": self.incarnation, "mq_type": self.mq_type,
                  "max_frame_bytes": opts.max_frame_bytes, "window": window}
         self._join = join = Join(node_id, hello, self.locality, delivery.topics, transport, sender, peers,
-                                 refusals, life, secret=self.secret, timeout=self.timeout)
+                                 refusals, life, secret=self.secret, timeout=self.timeout,
+                                 required=opts.require_route)
         self._fanout = fanout = _fanout.Fanout(
             node_id, peers, sender, self.codec, refusals, life, ping=liveness.ping, deliver=delivery.deliver,
             stalled=liveness.stalled, min_bytes=opts.relay_min_bytes, shape=opts.relay_shape,
@@ -145,6 +151,7 @@ class MQ:
         try:
             _preload_torch()
             self._sender.open_pool()
+            peer_route.check_required_here(self.options.require_route, self._sender.rdma.unavailable)
             for target in list(self.transport.start(self._dispatch)):
                 self._join.greet(target)
             self._beat = threading.Thread(target=self._liveness.run, args=(self._join.expire,), daemon=True,
@@ -470,6 +477,7 @@ class MQ:
         if self._sender.pool is not None:
             self._stats.shm = self._sender.pool_stats()
         self._stats.cuda = self._sender.gpu_stats()
+        self._stats.rdma = self._sender.rdma.counters()
         self._stats.relay = dict(self._fanout.stats)
         return self._stats
 

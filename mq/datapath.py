@@ -7,6 +7,7 @@ the route that takes it (tensorpipe's channels are the model)::
     route   data path                  memory                     buffers
     shm     mq.shm_path.ShmPath        mq.shm (memfd segments)    CPU, same host
     nvlink  mq.gpu_path.GpuPath        mq.cuda_ipc (one cuMemAlloc per GPU)   CUDA, same host
+    rdma    mq.rdma_path.RdmaPath      mq.rdma (NIXL/UCX, registered segments)  CPU, other hosts
 
 Every path does the same few things (:class:`DataPath`): it **offers** this node's memory to a
 peer and **accepts** a peer's offer (opens its memory here, as a *reader*); it **places** a
@@ -28,11 +29,15 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import mmap
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, TypeVar
+
+import numpy as np
+from cffi import FFI
 
 from mq.errors import Timeout
 
@@ -40,7 +45,8 @@ T = TypeVar("T")
 
 #: Route name -> ``"module:Class"`` of its data path. A new path is a module and a line here
 #: (or :func:`register` from outside mq).
-PATHS: dict[str, str] = {"shm": "mq.shm_path:ShmPath", "nvlink": "mq.gpu_path:GpuPath"}
+PATHS: dict[str, str] = {"shm": "mq.shm_path:ShmPath", "nvlink": "mq.gpu_path:GpuPath",
+                         "rdma": "mq.rdma_path:RdmaPath"}
 
 ANY_GEN = object()  # SlotTable.release without a generation check (the slot id is the generation)
 
@@ -58,6 +64,35 @@ def path_class(route: str) -> Any:
         module, _, name = factory.partition(":")
         factory = getattr(importlib.import_module(module), name)
     return factory
+
+
+_ffi = FFI()
+
+
+def size_class(nbytes: int) -> int:
+    """Round a request up to a size class (at most 12.5% slack, whole pages) so a buffer made
+    for it is reusable by the next request of about its size (shm segments, rdma segments,
+    warm link slabs)."""
+    step = max(mmap.PAGESIZE, 1 << max(0, nbytes.bit_length() - 4))
+    return (nbytes + step - 1) // step * step
+
+
+def view_until_garbage(addr: int, nbytes: int, on_garbage: Callable[[], None]) -> memoryview:
+    """A writable view of the ``nbytes`` at ``addr``; ``on_garbage()`` runs, in whichever thread
+    drops the last reference, once it and every view made of it are garbage. The memory must
+    stay mapped until then (``on_garbage``'s closure may hold what maps it)."""
+    ptr = _ffi.gc(_ffi.cast("char *", addr), lambda _p: on_garbage())
+    return memoryview(_ffi.buffer(ptr, nbytes))
+
+
+def address_of(buf: Any) -> tuple[int, int]:
+    """(address, nbytes) of a C-contiguous buffer (numpy array, bytes, memoryview, tensor)."""
+    if isinstance(buf, np.ndarray):
+        return buf.__array_interface__["data"][0], buf.nbytes
+    if hasattr(buf, "data_ptr"):  # torch tensor
+        return buf.data_ptr(), buf.numel() * buf.element_size()
+    mv = memoryview(buf)
+    return int(_ffi.cast("uintptr_t", _ffi.from_buffer(mv))), mv.nbytes
 
 
 def tag_of(desc: Any) -> str | None:

@@ -10,6 +10,7 @@ that peer's pool) and switches on its kind::
         REQ -> Calls (pool)   REP -> Calls    PING/BYE -> Liveness   SUBS -> PeerTable
         RELEASE -> Sender (our pools)         RELAY -> Fanout
         GPU_POOL -> Sender's GpuPath (CUDA pool offers and verdicts)
+        PATH -> Sender -> the data path its tag names (rdma offers and verdicts)
     a link not trusted yet -> Dispatch.on_handshake -> mq.handshake.parse -> Join, only
     a large frame's header, its body still coming -> Dispatch.on_begun -> Fanout (RELAY only)
 
@@ -26,7 +27,7 @@ from typing import Any, Callable
 
 from mq import handshake as _handshake
 from mq.calls import Calls
-from mq.codec import (BYE, GPU_POOL, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PING, RELAY, RELEASE, REP_ERR,
+from mq.codec import (BYE, GPU_POOL, HELLO, HELLO_ACK, KIND_NAMES, LINK, MSG, PATH, PING, RELAY, RELEASE, REP_ERR,
                       REP_OK, REQ, SUBS, Codec, Envelope, Frame, buffer_nbytes, split)
 from mq.datapath import tag_of
 from mq.cut_through import body_offset
@@ -241,6 +242,8 @@ class Dispatch:
             self._fanout.on_frame(env)
         elif kind == GPU_POOL:
             self._sender.gpu.on_frame(env.sender, env.payload)
+        elif kind == PATH:
+            self._sender.on_path_frame(env.sender, env.payload)
         elif kind == BYE:
             self._liveness.on_bye(env)
 

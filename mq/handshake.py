@@ -68,6 +68,9 @@ class Greeting(msgspec.Struct, forbid_unknown_fields=True):
     proof: _Bytes | None = None
     read_ok: bool | None = None
     error: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    # what its rdma path is (engine, mode, device): no addresses or keys, which travel only in
+    # signed offers after the join (mq.rdma_path)
+    rdma: dict[_Short, _Short | None] | None = None
 
 
 class LinkProof(msgspec.Struct, forbid_unknown_fields=True):

@@ -55,7 +55,8 @@ class Join:
 
     def __init__(self, node_id: int, hello: dict[str, Any], locality: Locality,
                  subscriptions: Callable[[], frozenset[str]], transport: Transport, sender: Sender,
-                 peers: PeerTable, refusals: Refusals, life: Lifecycle, *, secret: Any, timeout: float):
+                 peers: PeerTable, refusals: Refusals, life: Lifecycle, *, secret: Any, timeout: float,
+                 required: Any = None):
         self.node_id = node_id
         self._hello = hello
         self._locality = locality
@@ -67,6 +68,7 @@ class Join:
         self._life = life
         self._secret = secret
         self._timeout = timeout
+        self._required = required  # require_route=, normalised (mq.node_options.required_routes)
         self.greetings: dict[str, tuple[bytes, Any, float]] = {}  # token -> (our nonce, target, when)
         self._refusals_sent: dict[int, float] = {}  # node id -> when we last told a duplicate of it
         self._pending: dict[tuple[int, str], tuple[bytes, Peer, float]] = {}  # joins awaiting LINK
@@ -91,6 +93,7 @@ class Join:
             "max_frame_bytes": me["max_frame_bytes"],
             "window": me["window"],
             "shm": self._sender.shm.offer(),
+            "rdma": self._sender.rdma.caps(),
         }
 
     def greet(self, target: Any) -> None:
@@ -310,17 +313,21 @@ class Join:
             here, remote, self._transport.routes, peer_id=peer_id, same_process=same_process,
             gpu=self._sender.gpu.enabled, opened_pool=reader is not None, why_not_shm=why_not,
             no_pool=self._sender.shm_unavailable if self._sender.pool is None else None,
+            rdma=self._sender.rdma.viable(info.get("rdma")),
             on_refused=lambda why: self._refusals.log("route", f"node {self.node_id}: {why}; using tcp "
                                                                f"to node {peer_id}"))
         if route.kind != "shm" and reader is not None:
             reader.close()
             reader = None
         limit, window = info.get("max_frame_bytes"), info.get("window")
-        return Peer(peer_id, frozenset(str(x) for x in info.get("labels") or ()),
+        peer = Peer(peer_id, frozenset(str(x) for x in info.get("labels") or ()),
                     frozenset(str(x) for x in info.get("subscriptions") or ()), route,
                     info=info, readers={self._sender.shm.tag: reader} if reader is not None else {},
+                    cpu_path=self._sender.rdma if route.kind == "rdma" and not self._sender.rdma.unavailable else None,
                     max_frame_bytes=limit if type(limit) is int and limit > 0 else None,
                     window=window if type(window) is int and window > 0 else DEFAULT_WINDOW)
+        peer_route.enforce(peer, self._required)
+        return peer
 
     def _open_reader(self, peer_id: int, info: dict[str, Any], same_process: bool) -> tuple[Any, str | None]:
         """The peer's pool opened here (the shm path accepts its offer), or why not (None,
@@ -343,6 +350,7 @@ class Join:
                 peer.cpu_path = self._sender.paths.get(peer.route.kind)
             else:  # it cannot read ours: sockets both ways
                 peer_route.refused_our_pool(peer, self._transport.routes)
+                peer_route.enforce(peer, self._required)
             self._peers.changed.notify_all()
 
     # ------------------------------------------------------------------ housekeeping

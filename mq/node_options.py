@@ -56,6 +56,16 @@ class NodeOptions:
         relay_min_bytes: a ``publish`` at least this large to peers on other hosts goes through
             relays there (:mod:`mq.fanout`); None: never.
         relay_shape: how relays nest: ``auto``, ``star``, ``tree`` or ``chain``.
+        rdma: the rdma data path (route ``rdma``, large CPU buffers to peers on other hosts by
+            one-sided reads through NIXL/UCX): ``auto`` (when this node has an ACTIVE RDMA
+            port), ``tcp`` (over UCX's tcp transport, no device needed) or False.
+        rdma_pool_bytes: bound of the rdma send pool and of the landing pool (default: a quarter
+            of RAM, at most 4 GiB); receivers that have not pulled yet make senders wait.
+        rdma_inline_max: CPU buffers smaller than this stay inline on rdma routes (default 64 KiB).
+        require_route: routes a peer must get, else sends to it raise
+            :class:`~mq.errors.ConfigError` naming the peer and why (a degradation is an error,
+            not a slowdown): a set of route names for every peer (``{"rdma", "shm"}``), or a
+            dict of node id -> set; None: take the best route there is, and say why in ``routes()``.
     """
 
     queue_size: int = 1024
@@ -76,6 +86,10 @@ class NodeOptions:
     peer_timeout: float = 4.0
     relay_min_bytes: int | None = _fanout.DEFAULT_RELAY_MIN_BYTES
     relay_shape: str = "auto"
+    rdma: str | bool = "auto"
+    rdma_pool_bytes: int | None = None
+    rdma_inline_max: int = 64 << 10
+    require_route: Any = None
 
     @classmethod
     def names(cls) -> frozenset[str]:
@@ -104,6 +118,35 @@ class NodeOptions:
             object.__setattr__(self, name, float(value))
         for name in ("allow_pickle", "insecure"):
             check_bool(getattr(self, name), name)
+        object.__setattr__(self, "require_route", required_routes(self.require_route))
+
+
+def required_routes(value: Any) -> dict[Any, frozenset[str]] | None:
+    """``require_route=`` as ``{node id or "*": routes}``, or a ConfigError saying what is wrong."""
+    from mq.routing import ALL_ROUTES, ROUTE_KINDS
+
+    def routes(v: Any, where: str) -> frozenset[str]:
+        items = [v] if isinstance(v, str) else v
+        try:
+            out = frozenset(items)
+        except TypeError:
+            raise ConfigError(f"require_route{where} must be route names, got {v!r}") from None
+        bad = sorted(str(x) for x in out - ALL_ROUTES)
+        if bad or not out:
+            raise ConfigError(f"require_route{where}: unknown route(s) {bad or '(none given)'}; routes are "
+                              f"{', '.join(ROUTE_KINDS)}")
+        return out
+
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        out: dict[Any, frozenset[str]] = {}
+        for k, v in value.items():
+            if isinstance(k, bool) or not (isinstance(k, int) or k == "*"):
+                raise ConfigError(f"require_route keys are node ids (or '*'), got {k!r}")
+            out[k] = routes(v, f"[{k!r}]")
+        return out
+    return {"*": routes(value, "")}
 
 
 def seconds(value: Any, name: str) -> float:

@@ -41,6 +41,7 @@ class Peer:
     route: Route | None = None
     info: dict[str, Any] = field(default_factory=dict)  # its HELLO (addresses, locality, ...)
     lost: str | None = None  # why the peer is gone (None while it is alive)
+    route_error: str | None = None  # its route is not one require_route= allows: sends raise this
     # Its memory opened here, per data path (by descriptor tag; mq.datapath): we receive by
     # descriptor only into these (shm: mq.shm.PoolReader under None; nvlink: mq.cuda_ipc.PeerPools).
     readers: dict[Any, Any] = field(default_factory=dict)

@@ -7,7 +7,7 @@ kind. Data flows one way::
 
     facade / calls / join / liveness / fan-out -> Sender.encode -> Sender.deliver_to
         -> data path per peer and buffer -> transport.send
-           CPU buffers: inline | the peer's CPU path (Peer.cpu_path: shm), one copy, descriptors
+           CPU buffers: inline | the peer's CPU path (Peer.cpu_path: shm or rdma), one copy, descriptors
            GPU buffers: the path its route names (Route.gpu: nvlink), one device copy, descriptors
                         | staged through host once, then as CPU buffers
 
@@ -27,7 +27,7 @@ from mq import datapath as _datapath
 from mq import metrics as _metrics
 from mq.codec import MSG, RELAY, REP_ERR, REP_OK, REQ, RELEASE, Codec, Frame
 from mq.datapath import DataPath, cuda_buffers, tag_of
-from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
+from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.lifecycle import Lifecycle
 from mq.peers import Peer, PeerTable
 from mq.stats import Stats
@@ -50,13 +50,15 @@ class Sender:
         shm: whether to make one at all (``shm_unavailable`` says why not).
         cuda, cuda_pool_bytes, cuda_inline_max, incarnation: the cuda_ipc path's
             (:class:`~mq.gpu_path.GpuPath`).
+        path_options: the other paths' options (``rdma``, ``rdma_pool_bytes``, ``secret``, ...:
+            :class:`~mq.rdma_path.RdmaPath`).
     """
 
     def __init__(self, node_id: int, transport: Transport, codec: Codec, peers: PeerTable,
                  life: Lifecycle, stats: Stats, metrics: _metrics.Metrics, *,
                  shm: bool, shm_options: tuple[int, int], cuda: bool = True,
                  cuda_pool_bytes: int | None = None, cuda_inline_max: int | None = None,
-                 incarnation: str = ""):
+                 incarnation: str = "", path_options: dict[str, Any] | None = None):
         self.node_id = node_id
         self._transport = transport
         self._send = transport.send
@@ -73,7 +75,7 @@ class Sender:
         # Transports that carry tensors themselves (torch RPC) stage or map GPU tensors their way.
         self._stages_gpu = not transport.keeps_tensors
         options = {"shm": shm, "shm_options": shm_options, "cuda": cuda, "cuda_pool_bytes": cuda_pool_bytes,
-                   "cuda_inline_max": cuda_inline_max, "incarnation": incarnation}
+                   "cuda_inline_max": cuda_inline_max, "incarnation": incarnation, **(path_options or {})}
         #: route name -> this node's data path for it (mq.datapath.PATHS)
         self.paths: dict[str, DataPath] = {route: _datapath.path_class(route).make(self, options)
                                            for route in _datapath.PATHS}
@@ -93,6 +95,11 @@ class Sender:
     def gpu(self) -> Any:
         """The nvlink path (CUDA IPC; its GPU_POOL frames, alloc on a GPU)."""
         return self.paths["nvlink"]
+
+    @property
+    def rdma(self) -> Any:
+        """The rdma path (its capabilities ride in the HELLO, its offers in PATH frames)."""
+        return self.paths["rdma"]
 
     @property
     def pool(self) -> Any:
@@ -182,7 +189,12 @@ class Sender:
             host = frame.staged() if frame.gpu and others and self._stages_gpu else frame
             on_gpu = set(cuda_buffers(frame.buffers, frame.sizes)) if host is not frame else set()
             for path, group in self._grouped(peers, self._cpu_path_of):
-                cpu = held.place(path, group, frame.buffers, path.takes(frame.buffers, frame.sizes), deadline)
+                idx = path.takes(frame.buffers, frame.sizes)
+                if idx or on_gpu:  # peers not ready for the path get these buffers inline
+                    group = path.ready(group, frame.buffers, frame.sizes, idx, deadline)
+                    if not group:
+                        continue
+                cpu = held.place(path, group, frame.buffers, idx, deadline)
                 staged_peers = [p for p in group if p in others] if on_gpu else []
                 staged: dict[int, list[Any]] = {}
                 if staged_peers:
@@ -241,6 +253,8 @@ class Sender:
             raise PeerLost(f"node {peer} is not a known peer of node {self.node_id}; known: {self._peers.ids()}")
         if p.lost:
             raise PeerLost(f"node {peer} {p.lost}")
+        if p.route_error:
+            raise ConfigError(p.route_error)
         if p.max_frame_bytes is not None and frame.nbytes > p.max_frame_bytes:
             raise ConfigError(f"a frame of {frame.nbytes} bytes exceeds node {peer}'s max_frame_bytes="
                               f"{p.max_frame_bytes}: send smaller pieces, or raise max_frame_bytes on "
@@ -249,7 +263,7 @@ class Sender:
 
     def _send_checked(self, peer: int, frame: Frame, timeout: float) -> Receipt | None:
         p = self._peer_get(peer)
-        if (p is None or p.lost or self._life.state != "listening"
+        if (p is None or p.lost or p.route_error or self._life.state != "listening"
                 or (p.max_frame_bytes is not None and frame.nbytes > p.max_frame_bytes)):
             p = self.checked_peer(peer, frame)  # raises why (inline above: the hot path)
         counted = frame.kind in COUNTED
@@ -298,6 +312,16 @@ class Sender:
                 path = self._by_tag.get(tag_of(item))
                 if path is not None:
                     path.on_release(peer, item)
+
+    def on_path_frame(self, peer: int, payload: Any) -> None:
+        """A PATH frame ``[tag, body]``: a data path's own control frame (rdma offers)."""
+        if not (type(payload) is list and len(payload) == 2):
+            raise ProtocolError(f"node {peer}: a PATH frame is [tag, body]")
+        path = self._by_tag.get(payload[0]) if type(payload[0]) is str else None
+        handler = getattr(path, "on_frame", None)
+        if handler is None:
+            raise ProtocolError(f"node {peer}: a PATH frame for a data path this node does not have")
+        handler(peer, payload[1])
 
     def forget(self, peer: Peer, _why: str = "") -> None:
         """``peer`` is gone: its slots in our pools are free, its pools are closed here."""

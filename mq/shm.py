@@ -59,7 +59,7 @@ from typing import Any, Callable
 import numpy as np
 from cffi import FFI
 
-from mq.datapath import Slot, SlotPool, SlotTable
+from mq.datapath import Slot, SlotPool, SlotTable, address_of as _address, size_class, view_until_garbage
 from mq.errors import ConfigError, ProtocolError, Timeout
 from mq.options import check_int
 
@@ -93,34 +93,9 @@ def available() -> str | None:
     return None
 
 
-def size_class(nbytes: int) -> int:
-    """Round a request up to a size class (at most 12.5% slack, whole pages) so a buffer made
-    for it is reusable by the next request of about its size (shm segments, warm link slabs)."""
-    step = max(mmap.PAGESIZE, 1 << max(0, nbytes.bit_length() - 4))
-    return (nbytes + step - 1) // step * step
-
-
 def _capacity(nbytes: int) -> int:
     """A segment's size for a request: its size class, at least a minimal segment."""
     return size_class(max(nbytes, _MIN_SEGMENT))
-
-
-def view_until_garbage(addr: int, nbytes: int, on_garbage: Callable[[], None]) -> memoryview:
-    """A writable view of the ``nbytes`` at ``addr``; ``on_garbage()`` runs, in whichever thread
-    drops the last reference, once it and every view made of it are garbage. The memory must
-    stay mapped until then (``on_garbage``'s closure may hold what maps it)."""
-    ptr = _ffi.gc(_ffi.cast("char *", addr), lambda _p: on_garbage())
-    return memoryview(_ffi.buffer(ptr, nbytes))
-
-
-def _address(buf: Any) -> tuple[int, int]:
-    """(address, nbytes) of a C-contiguous buffer (numpy array, bytes, memoryview, tensor)."""
-    if isinstance(buf, np.ndarray):
-        return buf.__array_interface__["data"][0], buf.nbytes
-    if hasattr(buf, "data_ptr"):  # torch tensor
-        return buf.data_ptr(), buf.numel() * buf.element_size()
-    mv = memoryview(buf)
-    return int(_ffi.cast("uintptr_t", _ffi.from_buffer(mv))), mv.nbytes
 
 
 @dataclass(eq=False, kw_only=True)

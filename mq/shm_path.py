@@ -97,7 +97,8 @@ class ShmPath(DataPath):
             return []
         return [i for i, n in enumerate(sizes) if pool.wants(n) and _on_cpu(buffers[i])]
 
-    def ready(self, peers: list[int], buffers: list[Any], indices: list[int], deadline: float) -> list[int]:
+    def ready(self, peers: list[int], buffers: list[Any], sizes: list[int], indices: list[int],
+              deadline: float) -> list[int]:
         return peers  # a peer that read our probe reads every segment
 
     def place(self, peers: list[int], buffers: list[Any], indices: list[int],

@@ -33,6 +33,7 @@ class Stats:
     rejected: dict[str, int] = field(default_factory=dict)  # refused joins and frames, by cause
     shm: dict[str, int] = field(default_factory=dict)  # the pool's counters (placed, by_handle...)
     relay: dict[str, int] = field(default_factory=dict)  # fan-out (relayed, forwarded, acks...)
+    rdma: dict[str, Any] = field(default_factory=dict)  # the rdma path's (offers, pulls, refusals, pools...)
     cuda: dict[str, int] = field(default_factory=dict)  # the CUDA pools' (placed, held_bytes, opens...)
 
 

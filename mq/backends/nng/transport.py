@@ -233,7 +233,8 @@ class NngTransport(Transport):
 
     def connect(self, peer: int, info: dict[str, Any], route: Route) -> None:
         addresses = info.get("addresses") or {}
-        kind = "ipc" if route.kind == "shm" else route.kind
+        # shm frames go by unix socket; rdma's frames (descriptors) by tcp, their buffers beside
+        kind = {"shm": "ipc", "rdma": "tcp"}.get(route.kind, route.kind)
         address = addresses.get(kind) or addresses.get("tcp")
         if not isinstance(address, str):
             raise ProtocolError(f"node {peer} advertised no address for route {route.kind}")

@@ -19,7 +19,8 @@ import threading
 
 from cffi import FFI
 
-from mq.shm import POPULATE, size_class, view_until_garbage
+from mq.datapath import size_class, view_until_garbage
+from mq.shm import POPULATE
 
 _ffi = FFI()
 

@@ -1,0 +1,49 @@
+"""A node on another (namespace) host with the rdma path over UCX's tcp transport, for tests:
+``python -m tests.jobs.rdma_peer NODE_ID ATTACH_ADDR LISTEN_ADDR MODE [MQ_TYPE]``.
+
+Modes: ``echo`` answers every "data" message with a "sum" message (its byte count and a
+checksum, and the route it came by), and sends back every "back" message's payload as
+"back" (node 0 then pulls from us); ``serve`` also answers calls on "stats" (its counters).
+``big`` sends node 0 one ``MQ_TEST_BYTES`` message on "big" and then sleeps (the test kills
+it mid-pull).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import zlib
+
+import numpy as np
+
+import mq
+
+
+def main() -> None:
+    node_id, attach, listen, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    q = mq.create("nng", node_id, "peer", attach_to=[attach], listen_to=listen, timeout=30, rdma="tcp")
+    with q:
+        q.on("stats", lambda _x: q.stats().rdma)
+        q.on("route", lambda _x: [q.routes()[0].kind, q.routes()[0].reason])
+        q.subscribe("data")
+        q.wait_for_peers(ids=[0], timeout=20)
+        print("ready", flush=True)
+        if mode == "big":
+            payload = np.full(int(os.environ["MQ_TEST_BYTES"]), 7, np.uint8)
+            q.send(0, "big", payload, timeout=60)
+            print("sent", flush=True)
+            time.sleep(600)
+        while True:
+            msg = q.recv(timeout=600)
+            data = msg.payload
+            if msg.topic == "back":
+                q.send(0, "back", data, timeout=60)
+                continue
+            view = memoryview(np.ascontiguousarray(data)).cast("B")
+            q.send(0, "sum", {"n": view.nbytes, "crc": zlib.crc32(view)}, timeout=60)
+            del data, view, msg
+
+
+if __name__ == "__main__":
+    main()
