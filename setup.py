@@ -31,6 +31,9 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", ATHERIS],
         "bench": ["matplotlib>=3.7", "pyzmq>=25"],
         "gpu": ["nvidia-ml-py>=12"],
+        # The rdma data path's engine (mq/rdma.py): NIXL with its UCX backend; the CUDA 13 build
+        # also runs on CPU-only hosts (UCX's tcp transport).
+        "rdma": ["nixl-cu13>=1.5"],
         "atari": ["gymnasium>=1.0", "ale-py>=0.12"],
         # The docs site (mkdocs.yml, docs/): tests/test_docs.py builds it with --strict.
         "docs": ["mkdocs-material>=9.5", "mkdocstrings[python]>=1.0"],

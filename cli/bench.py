@@ -54,9 +54,11 @@ def _fail(message: str) -> click.ClickException:
 @click.option("--mq-type", "mq_types", multiple=True, metavar="TYPE",
               help="nng, torchrpc:cpu, torchrpc:cuda; repeatable. Default: all (rows this machine "
                    "cannot run are listed as skipped with the reason).")
-@click.option("--route", "routes", multiple=True, type=click.Choice(lib.NNG_ROUTES),
+@click.option("--route", "routes", multiple=True, type=click.Choice(lib.ROUTES),
               help="nng route (the nng `protocol` option); repeatable. Default: auto, tcp and ipc "
-                   "(with --device cuda: auto). torchrpc rows always use auto.")
+                   "(with --device cuda: auto). rdma (with --two-hosts, NIXL installed): both nodes "
+                   "made with rdma='tcp', mq's rdma path over UCX's tcp transport, no RDMA device "
+                   "needed; only when named. torchrpc rows always use auto.")
 @click.option("--mode", "modes", multiple=True, type=click.Choice(lib.MODES),
               help="roundtrip (default): B echoes; oneway: B acks with a tiny message; fanout: A "
                    "publishes to --subscribers peers and waits for every ack (also measured with one "

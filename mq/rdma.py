@@ -105,7 +105,10 @@ class Engine:
     def __init__(self, name: str, mode: str, device: str | None = None):
         _prepare_env(mode, device)
         api = load_api()
+        # NIXL logs each agent it makes at INFO, on stdout: not in a user's output
+        logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLogger("nixl").level))
         forksafe.mark_rdma_started("the rdma data path (NIXL/UCX)")
+        forksafe.install_fork_warning()
         config = api.nixl_agent_config(backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent = api.nixl_agent(name, config)
         if "UCX" not in self.agent.backends:
@@ -125,9 +128,14 @@ class Engine:
     def deregister(self, handle: Any) -> None:
         self.agent.deregister_memory(handle)
 
-    def metadata(self) -> bytes:
-        """This agent's metadata: its UCX address and the keys of every registered region."""
-        return bytes(self.agent.get_agent_metadata())
+    def metadata(self, regions: list[tuple[int, int]] | None = None) -> bytes:
+        """This agent's metadata: its UCX address and the keys of every registered region; with
+        ``regions`` (``(addr, nbytes)`` each), the keys of those alone, for a peer that loaded
+        the rest already (re-sending the address would make it connect again)."""
+        if regions is None:
+            return bytes(self.agent.get_agent_metadata())
+        descs = self.agent.get_reg_descs([(a, n, 0, "") for a, n in regions], "DRAM")
+        return bytes(self.agent.get_partial_agent_metadata(descs, False, ["UCX"]))
 
     # ------------------------------------------------------------------ peers
     def add_peer(self, metadata: bytes) -> str:

@@ -59,6 +59,8 @@ DEFAULT_INLINE_MAX = 64 << 10
 _MIN_SEGMENT = 1 << 20
 #: How long the first send to a peer waits for its verdict on our offer.
 VERDICT_WAIT_S = 30.0
+#: How long a frame waits for the offer of the segment it names, when another thread reads it.
+OFFER_WAIT_S = 2.0
 #: A pull that makes no progress this long gives up (the peer's host vanished without a FIN);
 #: a pull of n bytes may take n / _SLOWEST_BPS longer.
 PULL_STALL_S = 10.0
@@ -100,7 +102,7 @@ class RegisteredPool:
     def take(self, nbytes: int, timeout: float) -> _Segment:
         """A free segment for ``nbytes`` (best fit), a new one, or (send pool) wait."""
         cap = size_class(max(nbytes, _MIN_SEGMENT))
-        if cap > self.max_bytes:
+        if cap > self.max_bytes and self.waits:
             raise ConfigError(f"a {nbytes}-byte buffer does not fit the rdma {self.label} pool "
                               f"({self.max_bytes} bytes): raise rdma_pool_bytes")
         with self.slots.cond:
@@ -190,6 +192,9 @@ class RdmaReader:
         self.peer = peer
         self.agent = agent
         self.segments: dict[int, tuple[int, int]] = {}  # seg_id -> (addr, size)
+        # Offers and frames may be read by two threads (the I/O thread, and one reading for
+        # itself): a frame naming a segment whose offer another thread is loading waits for it.
+        self.loaded = threading.Condition()
         self.seq = 0
         self.refused = 0
         self.closed = False
@@ -206,6 +211,10 @@ class RdmaReader:
             raise ProtocolError(f"malformed rdma descriptor from node {self.peer}")
         _tag, seg_id, gen, offset, nbytes = desc
         seg = self.segments.get(seg_id)
+        if seg is None and seg_id > max(self.segments, default=0):  # newer than what we loaded
+            with self.loaded:
+                self.loaded.wait_for(lambda: seg_id in self.segments or self.closed, OFFER_WAIT_S)
+            seg = self.segments.get(seg_id)
         if seg is None or offset < 0 or nbytes <= 0 or offset + nbytes > seg[1]:
             self.refused += 1
             raise ProtocolError(f"an rdma descriptor from node {self.peer} outside the memory it offered "
@@ -217,6 +226,8 @@ class RdmaReader:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            with self.loaded:
+                self.loaded.notify_all()
             self._path.drop_reader(self)
 
 
@@ -257,6 +268,7 @@ class RdmaPath(DataPath):
         self.landing: RegisteredPool | None = None
         self._cond = threading.Condition()
         self._offered: dict[int, int] = {}  # peer -> pool version it has been offered
+        self._unanswered: dict[int, set[int]] = {}  # peer -> offers (seq) awaiting its verdict
         self._verdicts: dict[int, str | None] = {}  # peer -> None (opened our memory) or why not
         self._peer_locks: dict[int, threading.Lock] = {}
         self.stats = {"offers": 0, "offers_refused": 0, "verdicts_ok": 0, "verdicts_failed": 0,
@@ -321,10 +333,12 @@ class RdmaPath(DataPath):
     def _offer(self, peer: int, deadline: float) -> None:
         """Offer ``peer`` our send pool as it is now (called with the peer's lock held)."""
         assert self.send_pool is not None and self.engine is not None
+        first = peer not in self._offered
         with self.send_pool.slots.cond:
             version = self.send_pool.version
             segments = [tuple(s) for s in self.send_pool.segments()]
-            meta = self.engine.metadata()
+            # the first offer carries our address; later ones the keys of our segments alone
+            meta = self.engine.metadata(None if first or not segments else [(a, n) for _i, a, n in segments])
         p = self._peers.get(peer)
         their_inc = str(p.info.get("incarnation", "")) if p is not None else ""
         offer = _Offer(seq=version, agent=self.engine.name, meta=meta, segments=segments)  # type: ignore[arg-type]
@@ -334,6 +348,7 @@ class RdmaPath(DataPath):
                                 max(0.1, deadline - time.monotonic()))
         with self._cond:
             self._offered[peer] = version
+            self._unanswered.setdefault(peer, set()).add(version)
         self.stats["offers"] += 1
 
     def on_frame(self, peer: int, body: Any) -> None:
@@ -353,9 +368,11 @@ class RdmaPath(DataPath):
             error = body.get("error")
             if not (error is None or isinstance(error, str)):
                 error = "a malformed verdict"
+            seq = body.get("verdict")
             with self._cond:
-                if peer not in self._offered:
-                    return  # never asked: ignore
+                if seq not in self._unanswered.get(peer, ()):
+                    return  # a verdict on nothing we offered: ignore
+                self._unanswered[peer].discard(seq)
                 first = peer not in self._verdicts
                 if first or error is not None:
                     self._verdicts[peer] = error
@@ -405,20 +422,22 @@ class RdmaPath(DataPath):
         if self._secret is not None and (offer.mac is None or not _equal(
                 offer.mac, self._proof(peer, their_inc, self.node_id, self.incarnation, offer))):
             return "offer not signed with the job secret (forged, or from another incarnation)"
-        reader = p.readers.get(TAG)
-        if reader is not None and offer.seq <= reader.seq:
-            return f"offer {offer.seq} replayed (already at {reader.seq})"
-        try:
-            name = self.engine.add_peer(offer.meta)
-        except Exception as exc:
-            return f"the engine refused its metadata: {exc}"
-        if name != offer.agent:
-            self.engine.remove_peer(name)
-            return f"metadata of agent {name[:80]!r}, not {offer.agent[:80]!r}"
-        if reader is None:
-            reader = p.readers[TAG] = RdmaReader(self, peer, name)
-        reader.segments = {i: (a, n) for i, a, n in offer.segments}
-        reader.seq = offer.seq
+        reader = p.readers.get(TAG) or RdmaReader(self, peer, offer.agent)
+        with reader.loaded:
+            if TAG in p.readers and offer.seq <= reader.seq:
+                return f"offer {offer.seq} replayed (already at {reader.seq})"
+            try:
+                name = self.engine.add_peer(offer.meta)
+            except Exception as exc:
+                return f"the engine refused its metadata: {exc}"
+            if name != offer.agent:
+                return f"metadata of agent {name[:80]!r}, not {offer.agent[:80]!r}"
+            reader.segments = {i: (a, n) for i, a, n in offer.segments}
+            reader.seq = offer.seq
+            p.readers[TAG] = reader
+            reader.loaded.notify_all()
+        log.debug("node %d: rdma offer %d of node %d loaded (%d segments)", self.node_id, offer.seq, peer,
+                  len(offer.segments))
         return None
 
     # ------------------------------------------------------------------ sending
@@ -508,19 +527,21 @@ class RdmaPath(DataPath):
         landing, engine = self.landing, self.engine
         if landing is None or engine is None:
             raise ProtocolError("an rdma descriptor reached a node without an rdma path")
-        with landing.slots.cond:
-            seg = landing.take(nbytes, 0.0)
-            seg.pinned = True
-        ok = False
+        seg = None
+        self.reader_blocked()  # a new landing segment is made and registered first: it takes a while
         try:
+            with landing.slots.cond:
+                seg = landing.take(nbytes, 0.0)  # never waits: past its bound it grows
+                seg.pinned = True
             self._transfer(reader, remote_addr, seg.base, nbytes)
-            ok = True
+        except BaseException:
+            self.stats["pull_failures"] += 1
+            if seg is not None:
+                landing.slots.unpin(seg)
+            raise
         finally:
             # the sender's slot is free once we are done with it, pulled or not
             self._releases.put(reader.peer, (TAG, seg_id), gen)
-            if not ok:
-                self.stats["pull_failures"] += 1
-                landing.slots.unpin(seg)
         self.stats["pulls"] += 1
         self.stats["pulled_bytes"] += nbytes
         return view_until_garbage(seg.base, nbytes, lambda: landing.slots.unpin(seg))
@@ -581,6 +602,7 @@ class RdmaPath(DataPath):
             self.send_pool.slots.peer_gone(peer.node_id)
         with self._cond:
             self._offered.pop(peer.node_id, None)
+            self._unanswered.pop(peer.node_id, None)
             self._verdicts.pop(peer.node_id, None)
             self._peer_locks.pop(peer.node_id, None)
             self._cond.notify_all()

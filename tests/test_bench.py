@@ -110,6 +110,39 @@ def test_format_size_round_trips_the_default_sizes():
     assert [lib.parse_size(x) for x in labels] == list(lib.DEFAULT_SIZES)
 
 
+@pytest.mark.timeout(10)
+def test_route_rdma_only_by_name_across_hosts_on_nodes_made_with_rdma_tcp(monkeypatch):
+    import mq
+    from mq.tools import bench_workers
+
+    assert "rdma" in lib.ROUTES and "rdma" not in lib.NNG_ROUTES  # never measured by default
+    cfg = lib.BenchConfig(mq_types=["nng"], routes=["rdma", "tcp"], hosts=("same", "two")).validate()
+    monkeypatch.setattr(lib, "rdma_unavailable", lambda: None)
+    same, two = (lib._Runner(cfg, None)._nng_cases(h, "roundtrip") for h in ("same", "two"))
+    assert "--two-hosts" in same[0].unavailable and same[1].unavailable is None
+    assert two[0].unavailable is None and two[0].spec("10.0.0.1", 1)["route"] == "rdma"
+    monkeypatch.setattr(lib, "rdma_unavailable", lambda: "no NIXL here (test)")
+    assert lib._Runner(cfg, None)._nng_cases("two", "roundtrip")[0].unavailable == "no NIXL here (test)"
+    # the nodes: rdma='tcp' over a tcp link for route rdma; the others keep mq's default (auto)
+    made = []
+
+    class _Q:
+        addresses = {"tcp": "tcp://127.0.0.1:1"}
+
+        def listen(self):
+            pass
+
+    monkeypatch.setattr(mq, "create", lambda *a, **options: made.append(options) or _Q())
+    for route, rdma, protocol in (("rdma", "tcp", "tcp"), ("auto", None, "auto"), ("tcp", None, "tcp")):
+        ep = bench_workers._MqEndpoint("A", {"mq_type": "nng", "route": route, "host": "127.0.0.1"})
+        ep.prepare()
+        assert (made[-1].get("rdma"), made[-1]["protocol"]) == (rdma, protocol)
+    # a row says where the route went: nng/rdma, or nng/rdma->tcp after a fallback
+    row = {"kind": "mq", "mq_type": "nng", "route": "rdma", "hosts": "two", "device": "cpu"}
+    assert lib.row_label(dict(row, resolved_route="rdma")) == "nng/rdma two-hosts"
+    assert lib.row_label(dict(row, resolved_route="tcp")) == "nng/rdma->tcp two-hosts"
+
+
 # --------------------------------------------------------------------------- option errors
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("args,word", [

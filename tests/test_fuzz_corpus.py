@@ -47,6 +47,36 @@ def test_runtime_seeds_of_the_shm_target():
         targets.shm_target(seed)
 
 
+def test_runtime_seeds_of_the_rdma_target():
+    # What a real sender's rdma path sends (its signed offer, the descriptor it placed) loads on
+    # the target's receiver and reads: the target's stand-ins and signing match the path's.
+    for offer, desc in targets.rdma_runtime_offers():
+        node = targets.RdmaNode()
+        try:
+            node.view(node.accept(offer), desc)
+        finally:
+            node.close()
+    for seed in targets.DYNAMIC_SEEDS["rdma"]():
+        targets.rdma_target(seed)
+    # and the stored good offer loads while the forged one does not (the target's premise)
+    import msgpack
+
+    from mq.errors import ProtocolError
+
+    for name, loads in (("seed-offer-good", True), ("seed-offer-forged-segments", False)):
+        with open(os.path.join(CORPUS, "rdma", name), "rb") as f:
+            offer = msgpack.unpackb(f.read())
+        node = targets.RdmaNode()
+        try:
+            node.accept(offer)
+        except ProtocolError:
+            assert not loads, name
+        else:
+            assert loads, name
+        finally:
+            node.close()
+
+
 # A header listing 2,000,000 buffer sizes (zero bytes each, so every one "fits"): before buffer
 # lists were bounded, the receiver made a view per entry, ~400 MB for a 2 MB frame. Measured in
 # a fresh process, whose peak RSS (VmHWM) is not already raised by the tests before.

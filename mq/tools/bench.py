@@ -28,6 +28,12 @@ mq row              baseline
 nng, route tcp      raw pynng ``Pair0`` over tcp (loopback, or the veth with two hosts)
 nng, route ipc      raw pynng ``Pair0`` over ipc (unix socket)
 nng, route auto     the raw pynng family of the route mq took (``ipc`` same host, ``tcp`` across)
+nng, route rdma     (two hosts; asked for by name, never by default) raw pynng ``Pair0`` over tcp:
+                    both nodes made with ``rdma="tcp"``, mq's rdma data path (NIXL, buffers of
+                    ``rdma_inline_max`` and up pulled by the receiver) over UCX's tcp transport on
+                    the veth, no RDMA device needed. The row says the route A's node took
+                    (``nng/rdma``; ``nng/rdma->tcp`` where it fell back), read again after
+                    every batch, so a fallback mid-run shows at the sizes it hit.
 nng, route handle   (one-way, same host) the payload lives in mq's shared-memory pool
                     (``q.alloc``) and goes by handle; baseline raw pynng ipc. Skipped while mq
                     has no ``alloc``/``wait_released``.
@@ -101,7 +107,7 @@ from mq.tools.bench_units import (  # noqa: F401
 )
 from mq.tools.bench_cases import (  # noqa: F401 (cuda_available: the CLI's)
     HOSTS, Case, SizeResult, WorkerFailed, WorkerProc, cuda_available, mq_type_unavailable,
-    pool_api_missing, rpc_unavailable, zmq_installed,
+    pool_api_missing, rdma_unavailable, rpc_unavailable, zmq_installed,
 )
 from mq.tools.bench_endpoint import CONNECT_TIMEOUT_S, MODES, hard_timeout
 from mq.tools.bench_gpu import gpu_checks
@@ -126,7 +132,10 @@ __all__ = [
 ]
 
 # ---------------------------------------------------------------------------------- config
+#: The nng routes a run measures unless told otherwise.
 NNG_ROUTES = ("auto", "tcp", "ipc")
+#: Every route a row may ask for: ``rdma`` only by name (it needs NIXL and another host).
+ROUTES = (*NNG_ROUTES, "rdma")
 
 
 @dataclass
@@ -134,7 +143,7 @@ class BenchConfig:
     """What to measure. See the module docstring for the sampling rules."""
 
     mq_types: Sequence[str] = field(default_factory=launchable_mq_types)  # one process per node
-    routes: Sequence[str] = NNG_ROUTES  # for nng; torch RPC rows are always "auto"
+    routes: Sequence[str] = NNG_ROUTES  # for nng (any of ROUTES); torch RPC rows are always "auto"
     device: str = "cpu"  # payload device for every row...
     devices: dict[str, str] = field(default_factory=dict)  # ...unless set per mq type here
     sizes: Sequence[int] = DEFAULT_SIZES
@@ -164,8 +173,8 @@ class BenchConfig:
         if not self.mq_types:
             raise ConfigError("no mq type to measure: give --mq-type nng (or torchrpc:cpu, torchrpc:cuda)")
         for r in self.routes:
-            if r not in NNG_ROUTES:
-                raise ConfigError(f"route {r!r} is not one of {', '.join(NNG_ROUTES)}")
+            if r not in ROUTES:
+                raise ConfigError(f"route {r!r} is not one of {', '.join(ROUTES)}")
         self.routes = list(dict.fromkeys(self.routes)) or ["auto"]
         for d in [self.device, *self.devices.values()]:
             if d not in ("cpu", "cuda"):
@@ -239,6 +248,10 @@ class _Runner:
         if rpc_types and nng_only:
             self.notes.append(f"{' and '.join(nng_only)} measured for nng only (not {', '.join(rpc_types)})")
         groups = []
+        if "rdma" in cfg.routes and "nng" in cfg.mq_types:
+            self.notes.append("route rdma: both nodes made with rdma='tcp', mq's rdma path (NIXL) over UCX's "
+                              "tcp transport, no RDMA device; buffers under rdma_inline_max (64 KiB) "
+                              "stay inline on the link")
         for hosts in cfg.hosts:
             for mode in cfg.modes:
                 if "nng" in cfg.mq_types:
@@ -257,6 +270,9 @@ class _Runner:
                       subscribers=cfg.subscribers if mode == "fanout" else 1)
             if hosts == "two" and route == "ipc":
                 c.unavailable = "ipc (a unix socket) does not cross hosts"
+            elif route == "rdma":
+                c.unavailable = ("rdma carries buffers between hosts (one host: shm): measure it with "
+                                 "--two-hosts") if hosts == "same" else rdma_unavailable()
             cases.append(c)
             if mode == "fanout" and c.subscribers > 1:  # fan-out N is compared with fan-out 1
                 c.baseline = Case("mq", "nng", route, c.device, hosts, mode, unavailable=c.unavailable)
@@ -409,6 +425,10 @@ class _Runner:
             c = procs[p]
             if info.get("error"):
                 self.notes.append(f"{c.name} side {p.role}: {info['error']}")
+            a_route = next((r.route for r in reversed(c.results.values()) if r.route), c.resolved_route)
+            if p.role == "B" and info.get("route") and a_route and info["route"] != a_route:
+                self.notes.append(f"{c.name}: side B ended on route {info['route']} to A "
+                                  f"(A: {a_route}): {info.get('route_reason')}")
             for size, devices in (info.get("arrived_on") or {}).items():
                 if size in c.results:  # B's receipts: where CUDA payloads arrived, per size
                     c.results[size].arrived_on.update(devices)
@@ -576,6 +596,8 @@ class _Runner:
         res.warm_ns += out["warm_ns"]
         res.arrival_ns += out.get("arrival_ns", [])
         res.arrived_on.update(out.get("arrived_on", []))
+        if out.get("route"):  # the route A's node is on now (an rdma route may fall back to tcp)
+            res.route = out["route"]
         # One round trip's estimate: the median of what this size has done so far (warm-ups
         # only until there are samples: the first round trips of a size are the slow ones).
         w = sorted(res.samples_ns or res.warm_ns[len(res.warm_ns) // 2:])

@@ -87,7 +87,7 @@ class Case:
 
     kind: str  # "mq" | "raw" | "bound"
     mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:socket, raw:rpc, raw:rpc-cuda | memcpy, d2d
-    route: str  # requested: auto/tcp/ipc/handle (mq), tcp/ipc (raw sockets), auto (rpc), warm (bound)
+    route: str  # requested: auto/tcp/ipc/rdma/handle (mq), tcp/ipc (raw sockets), auto (rpc), warm (bound)
     device: str
     hosts: str
     mode: str = "roundtrip"  # see MODES; "bound" for the memcpy row
@@ -150,6 +150,7 @@ class SizeResult:
     skipped: str | None = None
     link_bytes: int | None = None
     arrived_on: set[str] = field(default_factory=set)  # CUDA rows: devices payloads arrived on
+    route: str | None = None  # mq rows: the route A's node was on after this size's last batch
 
 
 def cuda_available() -> bool:
@@ -187,6 +188,16 @@ def mq_type_unavailable(mq_type: str) -> str | None:
     except Exception as exc:
         return f"its backend does not import ({type(exc).__name__}: {exc})"
     return None
+
+
+def rdma_unavailable() -> str | None:
+    """Why rows on route rdma cannot run here (NIXL, which the rdma path loads, not installed),
+    or None. Looked up, not imported: the workers load it."""
+    from mq import rdma
+
+    if any(importlib.util.find_spec(name.split(".")[0]) is not None for name in rdma._API_MODULES):
+        return None
+    return "NIXL is not installed (pip install 'mq[rdma]', or nixl-cu13): the rdma path needs it"
 
 
 def pool_api_missing(device: str = "cpu") -> str | None:

@@ -237,6 +237,11 @@ class Endpoint:
         """{size: devices payloads of that size arrived on} (CUDA rows; {} otherwise)."""
         return self.gpu.seen_by_size() if self.gpu is not None else {}
 
+    def route_now(self) -> dict[str, Any]:
+        """``{"route": kind, "route_reason": why}`` of the route this side is on to its peer
+        now, where the library chooses one (mq); {} otherwise."""
+        return {}
+
     # -- life cycle
     def prepare(self) -> dict[str, Any]:
         return {}
@@ -413,7 +418,7 @@ class Endpoint:
         if size >= 256 * MB:  # don't sit on GBs while other rows of the group run
             self.free()
         return {"samples_ns": samples, "warm_ns": warm, "arrival_ns": arrivals, "elapsed_s": elapsed,
-                "stopped": stopped, "arrived_on": arrived_on}
+                "stopped": stopped, "arrived_on": arrived_on, **self.route_now()}
 
 
 def check_echo(t: Any, out: Any) -> None:

@@ -32,7 +32,7 @@ def _row(c: Case, size: int, bound: Case | None, messages: int) -> dict[str, Any
     moved, memcpys = c.copies(messages)
     row: dict[str, Any] = {
         "kind": c.kind, "mq_type": c.mq_type, "route": c.route,
-        "resolved_route": c.resolved_route, "hosts": c.hosts, "device": c.device,
+        "resolved_route": res.route or c.resolved_route, "hosts": c.hosts, "device": c.device,
         "size": format_size(size), "size_bytes": size, "samples": len(res.samples_ns),
         "warmup": len(res.warm_ns), "min_ms": None, "p50_ms": None, "p99_ms": None,
         "max_ms": None, "mean_ms": None, "gbps": None,
@@ -84,7 +84,7 @@ def _ms(value: float) -> float:
 
 _ORDER = {"memcpy": -2, "d2d": -1, "nng": 0, "raw:pynng": 1, "raw:pyzmq": 2, "torchrpc:cpu": 3, "raw:rpc": 4,
           "torchrpc:cuda": 5, "raw:rpc-cuda": 6}
-_ROUTE_ORDER = {"auto": 0, "tcp": 1, "ipc": 2, "handle": 3}
+_ROUTE_ORDER = {"auto": 0, "tcp": 1, "ipc": 2, "rdma": 3, "handle": 4}
 _MODE_ORDER = ("bound", *MODES)
 
 

@@ -90,14 +90,17 @@ class _D2DBoundEndpoint(Endpoint):
 
 class _MqEndpoint(Endpoint):
     """``mq.create(mq_type, ...)``: A is node 0, B (or fan-out subscriber ``index``) node
-    1 + index. Route ``handle`` sends a payload allocated in mq's shared-memory pool."""
+    1 + index. Route ``handle`` sends a payload allocated in mq's shared-memory pool; route
+    ``rdma`` makes both nodes with ``rdma="tcp"`` (the rdma path over UCX's tcp transport) and
+    links over tcp."""
 
     def __init__(self, role: str, spec: dict[str, Any]):
         super().__init__(role, spec)
         self.mq_type = spec["mq_type"]
         self.node_id = 0 if role == "A" else 1 + spec.get("index", 0)
         self.by_handle = spec["route"] == "handle"
-        self.protocol = "auto" if self.by_handle else spec["route"]
+        self.rdma = spec["route"] == "rdma"
+        self.protocol = "auto" if self.by_handle else ("tcp" if self.rdma else spec["route"])
         self.q: Any = None
         self._timeout = CONNECT_TIMEOUT_S
         self._slot: Any = None
@@ -109,6 +112,8 @@ class _MqEndpoint(Endpoint):
             options["batch_window"] = STREAM_BATCH_WINDOW  # what a streaming user turns on
         if self.spec.get("busy_poll") is not None:
             options["busy_poll"] = self.spec["busy_poll"]
+        if self.rdma:  # other routes keep the default (auto: off without an RDMA device)
+            options["rdma"] = "tcp"
         q = mq.create(self.mq_type, self.node_id, {"bench"}, timeout=CONNECT_TIMEOUT_S, **options)
         if self.mode == "fanout" and self.role == "B":
             q.subscribe("bench")  # before joining: the handshake carries it
@@ -139,7 +144,6 @@ class _MqEndpoint(Endpoint):
             self.q.wait_for_subscribers("bench", self.acks, timeout=CONNECT_TIMEOUT_S)
         if self.by_handle and not hasattr(self.q, "alloc"):
             raise RuntimeError("mq has no shared-memory pool API")
-        route = self.q.routes().get(others[0])
         if self.role == "B":
             import torch  # noqa: F401 (decoding the first tensor would import it: ~2 s, not a sample)
 
@@ -147,6 +151,14 @@ class _MqEndpoint(Endpoint):
                 self.q.on("echo", echo_back)  # served by mq itself: no loop of ours
             else:
                 self._serve_in_thread()
+        return self.route_now()
+
+    def route_now(self) -> dict[str, Any]:
+        peer = 1 if self.role == "A" else 0
+        try:
+            route = self.q.routes().get(peer) if self.q is not None else None
+        except Exception:  # stopping, or its peer gone: no route to report
+            route = None
         return {"route": getattr(route, "kind", None), "route_reason": getattr(route, "reason", None)}
 
     # -- A
@@ -379,7 +391,7 @@ def worker(role: str, spec: dict[str, Any], conn: Any) -> None:
                 conn.send(("ok", None))
             elif op == "stop":
                 # B's receipts end here: the devices its payloads arrived on, per size.
-                conn.send(("stopped", {"error": ep.error, "arrived_on": ep.arrived()}))
+                conn.send(("stopped", {"error": ep.error, "arrived_on": ep.arrived(), **ep.route_now()}))
                 break
     except BaseException as exc:  # report, then die: the orchestrator decides what it means
         with contextlib.suppress(Exception):

@@ -22,5 +22,6 @@ INSTRUMENTED = {
     "tcplink": ("mq.backends.nng.links.tcp", "mq.backends.nng.links.base"),
     "shm": ("mq.shm",),
     "cuda": ("mq.cuda_ipc",),
+    "rdma": ("mq.rdma_path",),
 }
 NAMES = tuple(INSTRUMENTED)

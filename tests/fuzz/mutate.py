@@ -240,4 +240,5 @@ def _ext(rng: random.Random, depth: int) -> msgpack.ExtType:
 #: The structure-aware mutator of each target that has one (the link targets' framing is a
 #: few integers: libFuzzer's own mutations, guided by comparisons, find their edges).
 MUTATORS: dict[str, Callable[[bytes, int, int, Callable[[bytes, int], bytes]], bytes]] = {
-    "handshake": mutate, "codec": mutate, "shm": mutate_value}
+    "handshake": mutate, "codec": mutate, "shm": mutate_value,
+    "rdma": mutate_value}

@@ -158,10 +158,10 @@ def all_seeds() -> dict[str, dict[str, bytes]]:
     frames = {**handshake_frames(), **message_frames()}
     codec = dict(frames, **{"batch-of-3": batch([frames["msg-0-buffers"], frames["msg-3-buffers"],
                                                  frames["empty-tensor"]]), "shm-descriptor": shm_frame()})
-    from tests.fuzz.targets import cuda_seeds
+    from tests.fuzz.targets import cuda_seeds, rdma_seeds
 
     return {"handshake": frames, "codec": codec, **link_seeds(frames), "shm": shm_shapes(),
-            "cuda": cuda_seeds()}
+            "cuda": cuda_seeds(), "rdma": rdma_seeds()}
 
 
 def write(seeds: dict[str, dict[str, bytes]]) -> None:

@@ -6,7 +6,7 @@ escapes: an exception of another type, or a :class:`Finding` when the parser ret
 it must not (a payload owning more bytes than its frame, a handshake over the size limit).
 
 Targets keep no state between inputs except the shared-memory pool of :func:`shm_target`, made once
-per process (:func:`close` unmaps it). Input formats:
+per process (:func:`close` unmaps it); the rdma target makes a fresh node per input. Input formats:
 
 - ``handshake``, ``codec``: one frame in the contiguous layout (``codec``: also a batch of
   frames back to back, as :func:`mq.codec.split_batch` reads NNG messages).
@@ -19,20 +19,27 @@ per process (:func:`close` unmaps it). Input formats:
 - ``cuda``: a msgpack value: a CUDA descriptor as a frame's header would carry it, or (a map)
   a peer's CUDA pool description as its GPU_POOL offer would; only the host-side checks run
   (no GPU needed: they must refuse everything before any CUDA call).
+- ``rdma``: a msgpack value: a peer's signed rdma offer (a map, as its PATH frame carries it),
+  a descriptor, or an offer followed by descriptors (see :func:`rdma_target`); the engine is a
+  stand-in (no NIXL) whose ``read`` is a finding when a descriptor outside the offered memory
+  reaches it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import socket
 import sys
+import time
 from typing import Any, Callable, Iterator
 
 import msgpack
+import msgspec
 import numpy as np
 
-from mq import handshake
+from mq import auth, handshake, rdma_path
 from mq.backends.nng.links import tcp as tcplink
 from mq.backends.nng.links import unix as unixlink
 from mq.codec import Codec, split_batch
@@ -346,6 +353,325 @@ def cuda_seeds() -> dict[str, bytes]:
     }.items()}
 
 
+# ---------------------------------------------------------------------- rdma (offers, descriptors)
+RDMA_NODE, RDMA_PEER = 1, 2
+RDMA_NODE_INC, RDMA_PEER_INC = "fuzz-node", "fuzz-peer"
+RDMA_SECRET = auth.Secret(b"fuzz-job-secret-0123456789", "explicit")
+RDMA_AGENT = f"mq-{RDMA_PEER}-{RDMA_PEER_INC}"  # the agent name node RDMA_PEER's offers must give
+RDMA_META = b"nixl-metadata:" + RDMA_AGENT.encode() + bytes(range(32))  # the one blob the engine loads
+RDMA_SEGMENTS = [[1, 0x7F00_0000_0000, 1 << 20], [2, 0x7F00_0100_0000, 2 << 20]]
+RDMA_POOL_BYTES = 16 << 20  # the receiver's landing pool bound
+RDMA_MAX_DESCRIPTORS = 16  # descriptors read after one offer (a sequence input)
+
+
+class _RdmaEngine:
+    """Stands in for :class:`mq.rdma.Engine` (no NIXL): registers nothing, loads only the
+    metadata blob :data:`RDMA_META` (as node :data:`RDMA_PEER`'s agent), and "reads" by checking
+    the span against what the peer really offered. A read outside it is a finding: a
+    descriptor the checks should have refused reached the transfer (recorded here, because
+    the path turns an exception of ``read`` into PeerLeft, a ProtocolError)."""
+
+    version = "fuzz"
+    device = None
+    transport = "tcp"
+
+    def __init__(self, name: str, meta: bytes = b"") -> None:
+        self.name = name
+        self._meta = meta
+        self.loaded: set[str] = set()
+        self.registered: dict[int, tuple[int, int]] = {}  # handle -> (addr, nbytes)
+        self.offered: list[Any] = []  # the segments the peer offered: what it registered
+        self.reads = 0
+        self.findings: list[str] = []
+
+    def register(self, addr: int, nbytes: int) -> int:
+        handle = len(self.registered) + 1
+        self.registered[handle] = (addr, nbytes)
+        return handle
+
+    def deregister(self, handle: int) -> None:
+        del self.registered[handle]
+
+    def metadata(self) -> bytes:
+        return self._meta
+
+    def add_peer(self, meta: bytes) -> str:
+        if type(meta) is not bytes or meta != RDMA_META:
+            raise RuntimeError("NIXL: not a metadata blob this test knows")
+        self.loaded.add(RDMA_AGENT)
+        return RDMA_AGENT
+
+    def remove_peer(self, name: str) -> None:
+        self.loaded.discard(name)
+
+    def read(self, peer: str, remote_addr: int, local_addr: int, nbytes: int) -> str:
+        self.reads += 1
+        why = None
+        if peer not in self.loaded:
+            why = f"a read from agent {peer!r}, whose metadata is not loaded"
+        elif not any(type(a) is int and type(n) is int and a <= remote_addr and remote_addr + nbytes <= a + n
+                     for _i, a, n in self.offered):
+            why = f"a read of {nbytes} bytes at {remote_addr:#x}, outside the segments the peer offered"
+        elif not any(a <= local_addr and local_addr + nbytes <= a + n for a, n in self.registered.values()):
+            why = f"a read of {nbytes} bytes into {local_addr:#x}, outside our registered memory"
+        if why:
+            self.findings.append(why)
+            raise Finding(why)
+        return "handle"
+
+    def state(self, handle: str) -> str:
+        return "DONE"
+
+    def release(self, handle: str) -> None:
+        pass
+
+
+class _RdmaPeer:
+    def __init__(self, node_id: int, incarnation: str) -> None:
+        self.node_id = node_id
+        self.info = {"incarnation": incarnation}
+        self.readers: dict[str, Any] = {}
+        self.lost: str | None = None
+
+
+class _RdmaPeers:
+    """Stands in for a node's peer table: one peer."""
+
+    def __init__(self, node_id: int, incarnation: str) -> None:
+        self.peer = _RdmaPeer(node_id, incarnation)
+
+    def get(self, node_id: Any) -> _RdmaPeer | None:
+        return self.peer if node_id == self.peer.node_id else None
+
+    def list(self) -> list[_RdmaPeer]:
+        return [self.peer]
+
+    def lose(self, node_id: int, why: str) -> None:
+        self.peer.lost = why
+
+
+class _RdmaHost:
+    """What RdmaPath asks of its node: peers, the release queue, control frames (kept)."""
+
+    def __init__(self, node_id: int, peer: int, peer_incarnation: str) -> None:
+        self.node_id = node_id
+        self.peers = _RdmaPeers(peer, peer_incarnation)
+        self.released: list[tuple[Any, ...]] = []
+        self.sent: list[tuple[int, int, Any]] = []
+        self.releases = self
+
+    def put(self, peer: int, seg_id: Any, gen: int, event: Any = None) -> None:
+        self.released.append((peer, seg_id, gen))
+
+    def send_control(self, peer: int, kind: int, body: Any, timeout: float) -> None:
+        self.sent.append((peer, kind, body))
+
+
+class RdmaNode:
+    """One node's rdma path with the stand-in engine, opened as :meth:`RdmaPath.open` would
+    (send and landing pools on the engine): node :data:`RDMA_NODE`, whose one peer is node
+    :data:`RDMA_PEER` (``sender=True``: the other way round)."""
+
+    def __init__(self, sender: bool = False) -> None:
+        me, them = (RDMA_PEER, RDMA_NODE) if sender else (RDMA_NODE, RDMA_PEER)
+        my_inc, their_inc = (RDMA_PEER_INC, RDMA_NODE_INC) if sender else (RDMA_NODE_INC, RDMA_PEER_INC)
+        self.host = _RdmaHost(me, them, their_inc)
+        self.path = rdma_path.RdmaPath(me, self.host, mode="tcp", pool_bytes=RDMA_POOL_BYTES,
+                                       inline_max=64 << 10, secret=RDMA_SECRET, incarnation=my_inc,
+                                       locality=None)
+        self.engine = _RdmaEngine(f"mq-{me}-{my_inc}", RDMA_META if sender else b"")
+        self.path.engine = self.engine
+        self.path.send_pool = rdma_path.RegisteredPool(self.engine, RDMA_POOL_BYTES, waits=True, label="send")
+        self.path.landing = rdma_path.RegisteredPool(self.engine, RDMA_POOL_BYTES, waits=False, label="landing")
+        self.path.unavailable = None
+        self.peer = self.host.peers.peer
+
+    def accept(self, offer: Any) -> Any:
+        """:meth:`RdmaPath.accept`, checked: a refused offer is counted and leaves the peer's
+        reader as it was; a loaded one names the peer's agent and only segments in bounds.
+        The peer's reader, or ProtocolError."""
+        refused, before = self.path.stats["offers_refused"], self.peer.readers.get("rdma")
+        state = None if before is None else (before.seq, dict(before.segments))
+        try:
+            reader = self.path.accept(RDMA_PEER, offer)
+        except ProtocolError:
+            after = self.peer.readers.get("rdma")
+            if self.path.stats["offers_refused"] != refused + 1:
+                raise Finding(f"offer {offer!r:.300} refused but not counted") from None
+            if after is not before or (after is not None and (after.seq, after.segments) != state):
+                raise Finding(f"refused offer {offer!r:.300} changed the peer's reader") from None
+            raise
+        if reader is not self.peer.readers.get("rdma") or reader.agent != RDMA_AGENT or \
+                RDMA_AGENT not in self.engine.loaded:
+            raise Finding(f"offer {offer!r:.300} loaded as agent {reader.agent!r}")
+        for seg_id, (addr, size) in reader.segments.items():
+            if not (type(seg_id) is int and type(addr) is int and type(size) is int and 0 < seg_id
+                    and 0 < addr < 1 << 64 and 0 < size <= 1 << 40):
+                raise Finding(f"offer {offer!r:.300} loaded segment {seg_id!r}: {addr!r}, {size!r}")
+        self.engine.offered = [[i, a, n] for i, (a, n) in reader.segments.items()]
+        return reader
+
+    def view(self, reader: Any, desc: Any) -> None:
+        """:meth:`RdmaReader.view`, checked: a refused descriptor is counted and never reaches
+        the engine; one taken is read whole from the peer's offered memory into ours."""
+        refused, reads = reader.refused, self.engine.reads
+        try:
+            try:
+                view = reader.view(desc)
+            finally:
+                if self.engine.findings:
+                    raise Finding(f"descriptor {desc!r:.200}: {self.engine.findings[0]}")
+        except ProtocolError:
+            if self.engine.reads != reads:
+                raise Finding(f"descriptor {desc!r:.200} was refused after the engine read it") from None
+            if reader.refused != refused + 1:
+                raise Finding(f"descriptor {desc!r:.200} refused but not counted") from None
+            raise
+        if self.engine.reads != reads + 1 or len(view) != desc[4]:
+            raise Finding(f"descriptor {desc!r:.200} gave a view of {len(view)} bytes "
+                          f"after {self.engine.reads - reads} reads")
+        if self.host.released[-1:] != [(RDMA_PEER, ("rdma", desc[1]), desc[2])]:
+            raise Finding(f"descriptor {desc!r:.200}: the sender's slot was not released")
+        del view  # the landing slot is unpinned now, as a receiver dropping a message
+
+    def close(self) -> None:
+        self.path.close()
+
+
+def rdma_sign(offer: dict[str, Any]) -> dict[str, Any] | None:
+    """``offer`` with the MAC node :data:`RDMA_PEER` would put on it (a job member: it holds
+    the secret, so every check past the MAC must hold too); None if it is not an offer."""
+    try:
+        parsed = msgspec.convert(offer, rdma_path._Offer)
+    except msgspec.ValidationError:
+        return None
+    return dict(offer, mac=_rdma_mac(parsed, RDMA_PEER_INC))
+
+
+def _rdma_mac(offer: Any, incarnation: str) -> bytes:
+    """The MAC node RDMA_PEER (in ``incarnation``) puts on ``offer`` (an ``_Offer``), by the
+    code of a real sender's path."""
+    global _rdma_signer
+    if _rdma_signer is None:
+        _rdma_signer = RdmaNode(sender=True).path
+    return _rdma_signer._proof(RDMA_PEER, incarnation, RDMA_NODE, RDMA_NODE_INC, offer)
+
+
+_rdma_signer: Any = None
+
+
+#: Node RDMA_PEER's offer of RDMA_SEGMENTS, signed: what passes; the fuzzer has no key to sign another.
+RDMA_OFFER = rdma_sign({"seq": 1, "agent": RDMA_AGENT, "meta": RDMA_META, "segments": RDMA_SEGMENTS})
+assert RDMA_OFFER is not None
+
+
+def rdma_target(data: bytes) -> None:
+    """:meth:`mq.rdma_path.RdmaPath.accept` (its ``_load``) and :meth:`mq.rdma_path.RdmaReader.view`
+    on a receiver whose engine is a stand-in (no NIXL). The input is a msgpack value:
+
+    - a map: an offer as a PATH frame carries it; only one signed with the job secret may load
+      (the fuzzer has no key: whatever loads must be :data:`RDMA_OFFER`'s content), and it
+      again is a replay. The same offer signed as a job member would sign it is tried too.
+    - a list starting with a map: that offer (signed here if it has no ``mac``), then the
+      descriptors after it read against what it offered.
+    - anything else: a descriptor, read against :data:`RDMA_OFFER`.
+    """
+    try:
+        value = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
+    except Exception:
+        return
+    with _patched(rdma_path, "log", _QUIET):  # a refused offer is logged: millions, here
+        _rdma_input(value)
+
+
+_QUIET = logging.getLogger("mq.fuzz.quiet")
+_QUIET.propagate = False
+_QUIET.disabled = True
+
+
+def _rdma_input(value: Any) -> None:
+    if type(value) is dict:
+        _rdma_offer(value, signed_here=False)
+        signed = rdma_sign(value)
+        if signed is not None:
+            _rdma_offer(signed, signed_here=True)
+        return
+    if type(value) is list and value and type(value[0]) is dict:
+        offer, descs = value[0], value[1:RDMA_MAX_DESCRIPTORS + 1]
+        if "mac" not in offer:
+            offer = rdma_sign(offer) or offer
+    else:
+        offer, descs = RDMA_OFFER, [value]
+    node = RdmaNode()
+    try:
+        try:
+            reader = node.accept(offer)
+        except ProtocolError:
+            return
+        for desc in descs:
+            try:
+                node.view(reader, desc)
+            except ProtocolError:
+                pass
+    finally:
+        node.close()
+
+
+def _rdma_offer(offer: dict[Any, Any], signed_here: bool) -> None:
+    node = RdmaNode()
+    try:
+        try:
+            reader = node.accept(offer)
+        except ProtocolError:
+            return
+        loaded = [reader.seq, reader.agent, sorted([i, a, n] for i, (a, n) in reader.segments.items())]
+        if not signed_here and loaded != [RDMA_OFFER["seq"], RDMA_AGENT, sorted(RDMA_SEGMENTS)]:
+            raise Finding(f"offer {offer!r:.300} loaded without the job secret's signature: {loaded}")
+        try:
+            node.accept(offer)
+        except ProtocolError:
+            pass
+        else:
+            raise Finding(f"offer {offer!r:.300} loaded twice (a replay)")
+    finally:
+        node.close()
+
+
+def rdma_runtime_offers() -> list[dict[str, Any]]:
+    """What a real sender's path puts in its PATH frames (:meth:`RdmaPath.place`, then its
+    ``_offer``), the stand-in engine under it: the offer, twice (a new segment offered
+    again), as sequence inputs with the descriptors placed."""
+    sender = RdmaNode(sender=True)
+    out = []
+    try:
+        for n in (100_000, 3 << 20):
+            descs = sender.path.place([RDMA_NODE], [np.full(n, 7, np.uint8)], [0], time.monotonic() + 5)
+            (_peer, _kind, (_tag, body)), = sender.host.sent[-1:]
+            out.append([body["offer"], descs[0]])
+            sender.path.unhold(descs, [RDMA_NODE])
+    finally:
+        sender.close()
+    return out
+
+
+def rdma_seeds() -> dict[str, bytes]:
+    """Offers (good, forged, replayed from another incarnation...) and descriptors."""
+    good = RDMA_OFFER
+    stale = dict(good, mac=_rdma_mac(msgspec.convert(dict(good, mac=None), rdma_path._Offer), "another-incarnation"))
+    big = [[1, 0x7F00_0000_0000, 1 << 20], [2, 0x7F00_0100_0000, 1 << 40]]
+    unsigned = {k: v for k, v in good.items() if k != "mac"}
+    return {name: msgpack.packb(value, use_bin_type=True) for name, value in {
+        "offer-good": good, "offer-forged-segments": dict(good, segments=big),
+        "offer-unsigned": unsigned, "offer-other-incarnation": stale,
+        "offer-other-agent": dict(good, agent=f"mq-{RDMA_PEER}-x"), "offer-extra-field": dict(good, x=1),
+        "desc-good": ["rdma", 1, 1, 0, 4096], "desc-last-byte": ["rdma", 2, 1, (2 << 20) - 1, 1],
+        "desc-whole-segment": ["rdma", 2, 7, 0, 2 << 20], "desc-past-end": ["rdma", 1, 1, 1, 1 << 20],
+        "desc-negative": ["rdma", 1, 1, -4096, 4096], "desc-unknown-segment": ["rdma", 3, 1, 0, 64],
+        "desc-bool": ["rdma", 1, 1, 0, True], "desc-short": ["rdma", 1, 1, 0],
+        "then-descs": [unsigned, ["rdma", 1, 1, 0, 64], ["rdma", 2, 1, 4096, 1 << 20], ["rdma", 1, 2, 1 << 20, 1]],
+    }.items()}
+
+
 def close() -> None:
     """Unmap what the targets made (the shared-memory pool)."""
     global _shm_peer
@@ -361,7 +687,9 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
     "tcplink": tcplink_target,
     "shm": shm_target,
     "cuda": cuda_target,
+    "rdma": rdma_target,
 }
 assert tuple(TARGETS) == NAMES, "tests/fuzz/__init__.py lists the targets"
 #: Seeds only a running target can make; :mod:`tests.fuzz.run` adds them to its corpus.
-DYNAMIC_SEEDS: dict[str, Callable[[], list[bytes]]] = {"shm": shm_seeds}
+DYNAMIC_SEEDS: dict[str, Callable[[], list[bytes]]] = {
+    "shm": shm_seeds, "rdma": lambda: [msgpack.packb(v, use_bin_type=True) for v in rdma_runtime_offers()]}

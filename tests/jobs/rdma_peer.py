@@ -21,6 +21,10 @@ import mq
 
 
 def main() -> None:
+    if os.environ.get("MQ_TEST_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG, format="%(threadName)s %(message)s")
     node_id, attach, listen, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     q = mq.create("nng", node_id, "peer", attach_to=[attach], listen_to=listen, timeout=30, rdma="tcp")
     with q:
