@@ -425,7 +425,7 @@ class _Runner:
             c = procs[p]
             if info.get("error"):
                 self.notes.append(f"{c.name} side {p.role}: {info['error']}")
-            a_route = next((r.route for r in reversed(c.results.values()) if r.route), c.resolved_route)
+            a_route = next((r.route_taken for r in reversed(c.results.values()) if r.route_taken), c.resolved_route)
             if p.role == "B" and info.get("route") and a_route and info["route"] != a_route:
                 self.notes.append(f"{c.name}: side B ended on route {info['route']} to A "
                                   f"(A: {a_route}): {info.get('route_reason')}")
@@ -597,7 +597,7 @@ class _Runner:
         res.arrival_ns += out.get("arrival_ns", [])
         res.arrived_on.update(out.get("arrived_on", []))
         if out.get("route"):  # the route A's node is on now (an rdma route may fall back to tcp)
-            res.route = out["route"]
+            res.route_taken = out["route"]
         # One round trip's estimate: the median of what this size has done so far (warm-ups
         # only until there are samples: the first round trips of a size are the slow ones).
         w = sorted(res.samples_ns or res.warm_ns[len(res.warm_ns) // 2:])

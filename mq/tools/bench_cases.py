@@ -150,7 +150,7 @@ class SizeResult:
     skipped: str | None = None
     link_bytes: int | None = None
     arrived_on: set[str] = field(default_factory=set)  # CUDA rows: devices payloads arrived on
-    route: str | None = None  # mq rows: the route A's node was on after this size's last batch
+    route_taken: str | None = None  # mq rows: the route A's node was on after this size's last batch
 
 
 def cuda_available() -> bool:

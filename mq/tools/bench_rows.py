@@ -32,7 +32,7 @@ def _row(c: Case, size: int, bound: Case | None, messages: int) -> dict[str, Any
     moved, memcpys = c.copies(messages)
     row: dict[str, Any] = {
         "kind": c.kind, "mq_type": c.mq_type, "route": c.route,
-        "resolved_route": res.route or c.resolved_route, "hosts": c.hosts, "device": c.device,
+        "resolved_route": res.route_taken or c.resolved_route, "hosts": c.hosts, "device": c.device,
         "size": format_size(size), "size_bytes": size, "samples": len(res.samples_ns),
         "warmup": len(res.warm_ns), "min_ms": None, "p50_ms": None, "p99_ms": None,
         "max_ms": None, "mean_ms": None, "gbps": None,

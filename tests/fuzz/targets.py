@@ -392,7 +392,7 @@ class _RdmaEngine:
     def deregister(self, handle: int) -> None:
         del self.registered[handle]
 
-    def metadata(self) -> bytes:
+    def metadata(self, regions=None) -> bytes:
         return self._meta
 
     def add_peer(self, meta: bytes) -> str:
