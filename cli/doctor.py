@@ -18,6 +18,7 @@ import click
 import mq.forksafe as forksafe
 from mq.locality import Locality, local
 from mq import auth as _auth
+from mq import rdma as _rdma_mod
 from mq.registry import backends
 from mq.routing import select_route
 
@@ -97,6 +98,7 @@ def _rdma(me: Locality) -> dict[str, Any]:
         "devices": me.to_dict()["rdma"],
         "active_ports": [f"{name}:{port.port}" for name, port in me.active_rdma_ports()],
         "peermem": me.peermem,
+        "path": _rdma_mod.state(me),  # mq's own rdma data path (NIXL/UCX), as rdma="auto" would be
     }
 
 
@@ -243,6 +245,12 @@ def _rdma_table(r: dict[str, Any]) -> Any:
                 table.add_row(dev["name"], str(p["port"]), state, p["phys_state"], p["link_layer"], p["rate"])
     if not r["devices"]:
         table.add_row("none", "", "", "", "", "")
+    path = r.get("path") or {}
+    if path:
+        engine = path.get("engine") or "NIXL not installed"
+        how = (f"on, UCX on {path['device']}" if not path.get("off_because")
+               else f"off: {path['off_because']}")
+        table.caption = f"mq's rdma path (rdma='auto'): {engine}; {how}"
     return table
 
 

@@ -73,6 +73,18 @@ def why_off(mode: str, locality: Locality) -> str | None:
     return None
 
 
+def state(locality: Locality, mode: str = "auto") -> dict[str, Any]:
+    """What ``mq doctor`` says of the rdma path on this node, without starting an engine:
+    whether NIXL is installed (and which), the port ``auto`` would use, the UCX variables set,
+    and why the path would be off (None: it would start)."""
+    import importlib.util
+
+    found = next((m for m in _API_MODULES if importlib.util.find_spec(m.partition(".")[0]) is not None), None)
+    why = why_off(mode, locality) or (None if found else "NIXL is not installed (pip install 'mq[rdma]')")
+    return {"mode": mode, "engine": f"nixl {_version()}" if found else None, "device": choose_device(locality),
+            "ucx_env": {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES")}, "off_because": why}
+
+
 def load_api() -> Any:
     """NIXL's Python API module; ImportError saying how to install it."""
     global _api

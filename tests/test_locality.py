@@ -357,6 +357,8 @@ def test_doctor_json_on_this_machine():
     assert rep["backends"]["nng"]["pynng"]["available"] and rep["backends"]["nng"]["mq_types"] == ["nng"]
     assert rep["backends"]["torchrpc"]["mq_types"] == ["torchrpc:cpu", "torchrpc:cuda"]
     assert rep["backends"]["inproc"]["launchable"] is False
+    path = rep["rdma"]["path"]  # mq's rdma path: why it is off here, in words
+    assert path["mode"] == "auto" and (path["off_because"] is None) == bool(rep["rdma"]["active_ports"] and path["engine"])
     for backend, by_peer in rep["routes"].items():
         assert by_peer["local"]["kind"] in ("shm", "ipc", "tcp")
         assert by_peer["remote"]["kind"] in ("rdma", "tcp")
