@@ -27,6 +27,7 @@ import importlib
 import logging
 import os
 import threading
+import uuid
 from typing import Any
 
 from mq import forksafe
@@ -64,12 +65,20 @@ def choose_device(locality: Locality) -> str | None:
     return f"{ports[0][0]}:{ports[0][1].port}" if ports else None
 
 
-def why_off(mode: str, locality: Locality) -> str | None:
+def why_off(mode: str, locality: Locality, dev_root: str = "/dev/infiniband") -> str | None:
     """Why the rdma path stays off on this node in ``mode`` (None: try to load the engine)."""
     if mode == "off":
         return "turned off (rdma=False)"
-    if mode == "auto" and not locality.active_rdma_ports():
-        return "no ACTIVE RDMA port on this node (rdma='tcp' runs the path over UCX's tcp transport)"
+    if mode != "auto":
+        return None
+    inside = locality.container.in_container and not os.path.isdir(dev_root)
+    # A container sees the host's /sys/class/infiniband, but verbs needs the device files.
+    mount = (f"; in a container ({locality.container.runtime or 'detected'}) without {dev_root}: "
+             f"start it with --device={dev_root} (and the RDMA ulimits)") if inside else ""
+    if not locality.active_rdma_ports():
+        return f"no ACTIVE RDMA port on this node{mount} (rdma='tcp' runs the path over UCX's tcp transport)"
+    if inside:
+        return f"ACTIVE RDMA ports, but{mount[1:]}"
     return None
 
 
@@ -99,6 +108,24 @@ def load_api() -> Any:
             except ImportError as exc:
                 missing.append(f"{name}: {exc}")
         raise ImportError("NIXL is not installed (pip install 'mq[rdma]', or nixl-cu13): " + "; ".join(missing))
+
+
+_engines: dict[tuple[int, str, str | None], "Engine"] = {}
+
+
+def shared_engine(mode: str, device: str | None) -> "Engine":
+    """This process's engine for ``mode`` (made on first use): one NIXL agent per process,
+    shared by its nodes. Successive agents in one process lost track of peers' memory in tests
+    (NIXL_ERR_NOT_FOUND on a pull after several nodes had come and gone); NIXL is built for one
+    agent per process anyway. A forked child makes its own (the parent's does not survive a fork)."""
+    key = (os.getpid(), mode, device)
+    with _load_lock:
+        engine = _engines.get(key)
+    if engine is None:
+        engine = Engine(f"mq-{os.getpid()}-{uuid.uuid4().hex[:12]}", mode, device)
+        with _load_lock:
+            engine = _engines.setdefault(key, engine)
+    return engine
 
 
 class Engine:
@@ -131,6 +158,8 @@ class Engine:
         #: what carries the bytes, as UCX was told (its own choice where not told)
         self.transport = os.environ.get("UCX_TLS") or "UCX's choice of RDMA transport"
         self.version = getattr(api, "__version__", None) or _version()
+        self._loaded: dict[str, int] = {}  # peer agent -> readers using it (nodes share the agent)
+        self._peers_lock = threading.Lock()
 
     # ------------------------------------------------------------------ memory
     def register(self, addr: int, nbytes: int) -> Any:
@@ -140,26 +169,34 @@ class Engine:
     def deregister(self, handle: Any) -> None:
         self.agent.deregister_memory(handle)
 
-    def metadata(self, regions: list[tuple[int, int]] | None = None) -> bytes:
-        """This agent's metadata: its UCX address and the keys of every registered region; with
-        ``regions`` (``(addr, nbytes)`` each), the keys of those alone, for a peer that loaded
-        the rest already (re-sending the address would make it connect again)."""
-        if regions is None:
-            return bytes(self.agent.get_agent_metadata())
-        descs = self.agent.get_reg_descs([(a, n, 0, "") for a, n in regions], "DRAM")
-        return bytes(self.agent.get_partial_agent_metadata(descs, False, ["UCX"]))
+    def metadata(self) -> bytes:
+        """This agent's metadata: its UCX address and the keys of every registered region."""
+        return bytes(self.agent.get_agent_metadata())
 
     # ------------------------------------------------------------------ peers
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer's metadata (again, when it registered more); its agent's name."""
-        name = self.agent.add_remote_agent(metadata)
-        return name.decode() if isinstance(name, bytes) else str(name)
+        with self._peers_lock:
+            name = self.agent.add_remote_agent(metadata)
+            return name.decode() if isinstance(name, bytes) else str(name)
+
+    def hold_peer(self, name: str) -> None:
+        """One more reader of this process uses peer agent ``name``."""
+        with self._peers_lock:
+            self._loaded[name] = self._loaded.get(name, 0) + 1
 
     def remove_peer(self, name: str) -> None:
-        try:
-            self.agent.remove_remote_agent(name)
-        except Exception as exc:  # already gone, or never loaded
-            log.debug("rdma: remove agent %s: %s", name, exc)
+        """One reader is done with peer agent ``name``: forgotten when none is left."""
+        with self._peers_lock:
+            left = self._loaded.get(name, 0) - 1
+            if left > 0:
+                self._loaded[name] = left
+                return
+            self._loaded.pop(name, None)
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception as exc:  # already gone, or never loaded
+                log.debug("rdma: remove agent %s: %s", name, exc)
 
     # ------------------------------------------------------------------ transfers
     def read(self, peer: str, remote_addr: int, local_addr: int, nbytes: int) -> Any:

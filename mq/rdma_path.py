@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import logging
 import os
 import threading
@@ -58,9 +59,16 @@ DEFAULT_POOL_BYTES = min(4 << 30, (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_P
 DEFAULT_INLINE_MAX = 64 << 10
 _MIN_SEGMENT = 1 << 20
 #: How long the first send to a peer waits for its verdict on our offer.
-VERDICT_WAIT_S = 30.0
+VERDICT_WAIT_S = 5.0
+#: Offers a peer left unanswered before its route falls back to tcp (with the reason).
+MAX_UNANSWERED = 3
 #: How long a frame waits for the offer of the segment it names, when another thread reads it.
 OFFER_WAIT_S = 2.0
+#: How long a pull that NIXL cannot start yet (memory not found) is tried again.
+START_RETRY_S = 1.0
+#: Segments are faulted in and filled in pieces this large, letting other threads (the
+#: heartbeat) take the GIL in between: a 512 MB buffer must not silence a node for seconds.
+_PIECE = 64 << 20
 #: A pull that makes no progress this long gives up (the peer's host vanished without a FIN);
 #: a pull of n bytes may take n / _SLOWEST_BPS longer.
 PULL_STALL_S = 10.0
@@ -126,7 +134,9 @@ class RegisteredPool:
 
     def _new(self, cap: int) -> _Segment:
         memory = np.empty(cap, np.uint8)
-        memory[::4096] = 0  # fault it in now, once: a pull must not wait on page faults
+        for at in range(0, cap, _PIECE):  # fault it in now, once: a pull must not wait on page faults
+            memory[at:at + _PIECE:4096] = 0
+            time.sleep(0)
         base = address_of(memory)[0]
         registration = self.engine.register(base, cap)
         seg = self.slots.add(_Segment(slot_id=self.slots.next_id(), size=cap, memory=memory, base=base,
@@ -269,10 +279,12 @@ class RdmaPath(DataPath):
         self._cond = threading.Condition()
         self._offered: dict[int, int] = {}  # peer -> pool version it has been offered
         self._unanswered: dict[int, set[int]] = {}  # peer -> offers (seq) awaiting its verdict
+        self._timeouts: dict[int, int] = {}  # peer -> first offers it left unanswered
+        self._seqs = itertools.count(1)  # offer sequence numbers: a peer refuses one not above the last
         self._verdicts: dict[int, str | None] = {}  # peer -> None (opened our memory) or why not
         self._peer_locks: dict[int, threading.Lock] = {}
-        self.stats = {"offers": 0, "offers_refused": 0, "verdicts_ok": 0, "verdicts_failed": 0,
-                      "placed": 0, "copied_bytes": 0, "pulls": 0, "pulled_bytes": 0, "pull_failures": 0,
+        self.stats = {"offers": 0, "offers_refused": 0, "verdicts_ok": 0, "verdicts_failed": 0, "verdict_timeouts": 0,
+                      "placed": 0, "copied_bytes": 0, "pulls": 0, "pulled_bytes": 0, "pull_failures": 0, "start_retries": 0,
                       "descriptors_refused": 0}
 
     @classmethod
@@ -293,7 +305,7 @@ class RdmaPath(DataPath):
             return
         device = _rdma.choose_device(locality) if self.mode == "auto" else None
         try:
-            self.engine = _rdma.Engine(f"mq-{self.node_id}-{self.incarnation}", self.mode, device)
+            self.engine = _rdma.shared_engine(self.mode, device)
         except Exception as exc:  # NIXL missing, or UCX would not start: say so, use tcp
             self.unavailable = f"the RDMA engine did not start: {exc}"
             log.warning("node %d: rdma path off: %s", self.node_id, self.unavailable)
@@ -308,7 +320,7 @@ class RdmaPath(DataPath):
         if self.unavailable or self.engine is None:
             return None
         return {"engine": f"nixl {self.engine.version}", "mode": self.mode, "device": self.engine.device,
-                "transport": self.engine.transport}
+                "transport": self.engine.transport, "agent": self.engine.name}
 
     def viable(self, theirs: Any) -> tuple[bool, str]:
         """Whether this node and a peer whose HELLO said ``theirs`` can use the path, and why."""
@@ -333,22 +345,23 @@ class RdmaPath(DataPath):
     def _offer(self, peer: int, deadline: float) -> None:
         """Offer ``peer`` our send pool as it is now (called with the peer's lock held)."""
         assert self.send_pool is not None and self.engine is not None
-        first = peer not in self._offered
         with self.send_pool.slots.cond:
             version = self.send_pool.version
             segments = [tuple(s) for s in self.send_pool.segments()]
-            # the first offer carries our address; later ones the keys of our segments alone
-            meta = self.engine.metadata(None if first or not segments else [(a, n) for _i, a, n in segments])
+            # all of it each time (address and every segment's key): a peer that loaded only a
+            # partial update before its connection was up could not find our memory (seen:
+            # NIXL_ERR_NOT_FOUND), and the whole is a few hundred bytes
+            meta = self.engine.metadata()
         p = self._peers.get(peer)
         their_inc = str(p.info.get("incarnation", "")) if p is not None else ""
-        offer = _Offer(seq=version, agent=self.engine.name, meta=meta, segments=segments)  # type: ignore[arg-type]
+        offer = _Offer(seq=next(self._seqs), agent=self.engine.name, meta=meta, segments=segments)  # type: ignore[arg-type]
         if self._secret is not None:
             offer.mac = self._proof(self.node_id, self.incarnation, peer, their_inc, offer)
         self._host.send_control(peer, PATH, [TAG, {"offer": msgspec.structs.asdict(offer)}],
                                 max(0.1, deadline - time.monotonic()))
         with self._cond:
             self._offered[peer] = version
-            self._unanswered.setdefault(peer, set()).add(version)
+            self._unanswered.setdefault(peer, set()).add(offer.seq)
         self.stats["offers"] += 1
 
     def on_frame(self, peer: int, body: Any) -> None:
@@ -413,8 +426,9 @@ class RdmaPath(DataPath):
         if p is None or self.engine is None or self.landing is None:
             return "this node has no rdma path" if self.engine is None else "not a peer"
         their_inc = str(p.info.get("incarnation", ""))
-        if offer.agent != f"mq-{peer}-{their_inc}":
-            return f"offer names agent {offer.agent[:80]!r}, not node {peer}'s"
+        caps = p.info.get("rdma")
+        if type(caps) is not dict or offer.agent != caps.get("agent"):
+            return f"offer names agent {offer.agent[:80]!r}, not the one node {peer} joined with"
         if len(offer.meta) > _MAX_META or len(offer.segments) > _MAX_SEGMENTS or any(
                 not (0 < a < 1 << 64 and 0 < n <= _MAX_SEGMENT and 0 < i < 1 << 62)
                 for i, a, n in offer.segments):
@@ -434,6 +448,8 @@ class RdmaPath(DataPath):
                 return f"metadata of agent {name[:80]!r}, not {offer.agent[:80]!r}"
             reader.segments = {i: (a, n) for i, a, n in offer.segments}
             reader.seq = offer.seq
+            if TAG not in p.readers:
+                self.engine.hold_peer(name)
             p.readers[TAG] = reader
             reader.loaded.notify_all()
         log.debug("node %d: rdma offer %d of node %d loaded (%d segments)", self.node_id, offer.seq, peer,
@@ -475,8 +491,10 @@ class RdmaPath(DataPath):
             while peer not in self._verdicts:
                 left = until - time.monotonic()
                 p = self._peers.get(peer)
-                if left <= 0 or p is None or p.lost:
-                    return False  # this frame goes inline; the next send asks again
+                if p is None or p.lost:
+                    return False
+                if left <= 0:  # this frame goes inline; the next send offers again
+                    return self._unanswered_offer(peer)
                 self._cond.wait(min(left, 0.1))
             verdict = self._verdicts[peer]
         if verdict is not None:
@@ -486,6 +504,21 @@ class RdmaPath(DataPath):
                                        self._required)
                 log.warning("node %d: rdma to node %d failed (%s): tcp instead", self.node_id, peer, verdict)
         return verdict is None
+
+    def _unanswered_offer(self, peer: int) -> bool:
+        """No verdict came in time (called with ``_cond`` held): offer again on the next send,
+        or after :data:`MAX_UNANSWERED` tries, give up on the path for this peer, saying why."""
+        self.stats["verdict_timeouts"] += 1
+        tries = self._timeouts[peer] = self._timeouts.get(peer, 0) + 1
+        self._offered.pop(peer, None)
+        if tries >= MAX_UNANSWERED:
+            self._verdicts[peer] = f"no answer to {tries} offers of {VERDICT_WAIT_S:g}s each"
+            p = self._peers.get(peer)
+            if p is not None:
+                peer_route.degrade_cpu(p, f"node {peer} never answered this node's rdma offer "
+                                          f"({tries} tries)", self._required)
+            log.warning("node %d: node %d never answered our rdma offer: tcp instead", self.node_id, peer)
+        return False
 
     def _lock_of(self, peer: int) -> threading.Lock:
         with self._cond:
@@ -503,7 +536,7 @@ class RdmaPath(DataPath):
                 seg = pool.take(nbytes, max(0.0, deadline - time.monotonic()))
                 seg.gen += 1
                 pool.slots.hold(seg, peers)
-            np.copyto(seg.memory[:nbytes], _as_uint8(buffers[i]))  # outside the lock
+            _copy_in_pieces(seg.memory[:nbytes], _as_uint8(buffers[i]))  # outside the lock
             descs[i] = [TAG, seg.slot_id, seg.gen, 0, nbytes]
             self.stats["placed"] += 1
             self.stats["copied_bytes"] += nbytes
@@ -548,10 +581,18 @@ class RdmaPath(DataPath):
 
     def _transfer(self, reader: RdmaReader, remote_addr: int, local_addr: int, nbytes: int) -> None:
         engine = self.engine
-        try:
-            handle = engine.read(reader.agent, remote_addr, local_addr, nbytes)
-        except Exception as exc:
-            raise self._failed(reader, f"could not start a pull: {exc}") from None
+        start_by = time.monotonic() + START_RETRY_S
+        while True:
+            try:
+                handle = engine.read(reader.agent, remote_addr, local_addr, nbytes)
+                break
+            except Exception as exc:
+                # NIXL may not find memory it has just been told of yet (seen once in a few
+                # dozen runs: NIXL_ERR_NOT_FOUND right after the offer loaded): try again briefly
+                if "NOT_FOUND" not in str(exc) or time.monotonic() > start_by or reader.closed:
+                    raise self._failed(reader, f"could not start a pull: {exc}") from None
+                self.stats["start_retries"] += 1
+                time.sleep(0.005)
         deadline = time.monotonic() + PULL_STALL_S + nbytes / _SLOWEST_BPS
         pause = 0.0
         blocked = self.reader_blocked
@@ -576,7 +617,7 @@ class RdmaPath(DataPath):
                     last_told = now
                 if pause:
                     time.sleep(pause)
-                pause = min(1e-3, pause * 2 or 2e-5)
+                pause = min(2e-4, pause * 2 or 2e-5)  # a pull of 1 MB takes ~1 ms over tcp
         finally:
             engine.release(handle)
 
@@ -603,6 +644,7 @@ class RdmaPath(DataPath):
         with self._cond:
             self._offered.pop(peer.node_id, None)
             self._unanswered.pop(peer.node_id, None)
+            self._timeouts.pop(peer.node_id, None)
             self._verdicts.pop(peer.node_id, None)
             self._peer_locks.pop(peer.node_id, None)
             self._cond.notify_all()
@@ -631,6 +673,12 @@ class RdmaPath(DataPath):
 
 def _equal(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
+
+
+def _copy_in_pieces(dst: np.ndarray, src: np.ndarray) -> None:
+    for at in range(0, dst.nbytes, _PIECE):
+        np.copyto(dst[at:at + _PIECE], src[at:at + _PIECE])
+        time.sleep(0)  # let the heartbeat thread in
 
 
 def _on_cpu(buf: Any) -> bool:

@@ -98,14 +98,14 @@ def poll(cond, timeout: float, every: float) -> bool:
 
 
 @contextlib.contextmanager
-def pair(hosts, mode: str, env: dict[str, str] | None = None, **options):
+def pair(hosts, mode: str, env: dict[str, str] | None = None, rdma: str = "tcp", **options):
     """Node 0 here and node 1 (``mode``) on the other host, joined; node 0 stops first (the
     peer, alive, confirms what it got), then the peer is killed."""
-    q = mq.create("nng", 0, listen_to=f"tcp://{hosts.host_addr}:0", timeout=60, rdma="tcp", **options)
+    q = mq.create("nng", 0, listen_to=f"tcp://{hosts.host_addr}:0", timeout=60, rdma=rdma, **options)
     proc = None
     try:
         q.listen()
-        proc = start_peer(hosts, q, mode, **(env or {}))
+        proc = start_peer(hosts, q, mode, **dict(env or {}, MQ_TEST_RDMA=rdma))
         q.wait_for_peers(ids=[1], timeout=20)
         yield q, proc
     except BaseException:
@@ -154,6 +154,35 @@ def test_two_hosts_exchange_every_size_by_rdma_and_say_so(two_hosts):
 
 @pytest.mark.netns
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+def test_torch_rpc_carries_the_rdma_path_too(two_hosts, monkeypatch):
+    """torchrpc:cpu between the hosts: its frames go by torch RPC, their large buffers by rdma."""
+    from mq.launch import free_port
+
+    init = f"tcp://{two_hosts.host_addr}:{free_port(two_hosts.host_addr)}"
+    for var in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.setenv(var, two_hosts.host_if)
+    log = tempfile.TemporaryFile("w+")
+    env = dict(os.environ, TP_SOCKET_IFNAME=two_hosts.peer_if, GLOO_SOCKET_IFNAME=two_hosts.peer_if)
+    proc = subprocess.Popen([*two_hosts.command([]), sys.executable, "-m", "tests.jobs.rdma_peer", "1", init, "-",
+                             "echo", "torchrpc:cpu"], cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    proc.log = log  # type: ignore[attr-defined]
+    q = mq.create("torchrpc:cpu", 0, world_size=2, init_method=init, timeout=60, rdma="tcp")
+    try:
+        with q:
+            expect(proc, "ready", timeout=90)
+            q.wait_for_peers(ids=[1], timeout=30)
+            assert q.routes()[1].kind == "rdma", q.routes()[1].reason
+            for n in (1280, 1_250_000, 10 << 20):
+                data = np.random.default_rng(n).integers(0, 255, n, dtype=np.uint8)
+                q.send(1, "data", data)
+                assert q.recv(timeout=60).payload == {"n": n, "crc": zlib.crc32(data)}
+            assert q.call(1, "stats", None)["pulls"] == 2  # the two large ones
+    finally:
+        stop(proc)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
 def test_a_forged_or_replayed_offer_is_refused_and_counted(two_hosts):
     with pair(two_hosts, "echo") as (q, proc):
         q.send(1, "data", np.ones(1 << 20, np.uint8))  # a real offer first: seq 1 and up
@@ -184,8 +213,11 @@ def test_a_forged_or_replayed_offer_is_refused_and_counted(two_hosts):
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
 def test_a_sender_sigkilled_mid_pull_is_lost_within_a_second(two_hosts):
     with pair(two_hosts, "big", {"MQ_TEST_BYTES": str(512 << 20)}) as (q, proc):
-        expect(proc, "sent")
         path = q._sender.rdma
+        warm = q.recv(timeout=60)  # a warm-up by rdma first: offer and verdict are done with
+        assert warm.topic == "warm" and path.stats["pulls"] == 1, path.stats
+        del warm
+        expect(proc, "sent")
         # the pull has begun once its landing slot is pinned
         assert poll(lambda: path.landing is not None and any(
             s.pinned for s in path.landing.slots.slots.values()), 30, every=0.002)
@@ -197,12 +229,39 @@ def test_a_sender_sigkilled_mid_pull_is_lost_within_a_second(two_hosts):
         why = q._peers.by_id[1].lost
         print(f"sender SIGKILLed mid-pull: lost after {lost_after:.3f}s ({why})")
         assert lost_after < 1.0, (lost_after, why)
-        assert path.stats["pull_failures"] == 1 and path.stats["pulls"] == 0
+        assert path.stats["pull_failures"] == 1 and path.stats["pulls"] == 1
         assert not any(s.pinned or s.holders for s in path.landing.slots.slots.values())
         with pytest.raises(mq.PeerLost):
             q.send(1, "data", b"x")
     # stopped: nothing registered is left
     assert path.landing.stats["segments"] == 0 and path.send_pool.stats["segments"] == 0
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")
+def test_soft_roce_where_the_kernel_has_it(two_hosts):
+    """Over Soft-RoCE (rdma_rxe on each host's veth) the path takes UCX's RDMA transports
+    (rdma='auto'), not tcp. Skips, saying why, where the kernel has no RDMA subsystem."""
+    made = []
+    try:
+        for ns, dev in ((None, two_hosts.host_if), (two_hosts.name, two_hosts.peer_if)):
+            cmd = ["rdma", "link", "add", f"mqrxe{len(made)}", "type", "rxe", "netdev", dev]
+            out = subprocess.run(cmd if ns is None else ["ip", "netns", "exec", ns, *cmd],
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                pytest.skip(f"no Soft-RoCE here (`rdma link add ... type rxe`: {out.stderr.strip() or out.returncode}): "
+                            "the rdma path ran over UCX's tcp transport only")
+            made.append((ns, f"mqrxe{len(made)}"))
+        with pair(two_hosts, "echo", rdma="auto") as (q, proc):
+            route = q.routes()[1]
+            assert route.kind == "rdma" and "UCX on mqrxe" in route.reason, route.reason
+            data = np.arange(10 << 20, dtype=np.uint8)
+            q.send(1, "data", data)
+            assert q.recv(timeout=60).payload == {"n": data.nbytes, "crc": zlib.crc32(data)}
+    finally:
+        for ns, name in made:
+            cmd = ["rdma", "link", "delete", name]
+            subprocess.run(cmd if ns is None else ["ip", "netns", "exec", ns, *cmd], capture_output=True)
 
 
 # ---------------------------------------------------------------------- require_route
@@ -286,3 +345,38 @@ def test_offers_are_bound_to_both_incarnations():
 def test_rdma_mode_is_checked():
     with pytest.raises(ConfigError, match="rdma must be 'auto', 'tcp' or False"):
         mq.create("nng", 0, rdma="yes")
+
+
+def test_why_the_path_is_off_names_the_missing_device_mount_in_a_container(tmp_path):
+    from dataclasses import replace
+
+    from mq.locality import ContainerInfo, RdmaDevice, RdmaPort, local
+
+    here = local()
+    nic = (RdmaDevice("mlx5_0", (RdmaPort(1, "ACTIVE", "InfiniBand"),)),)
+    bare = replace(here, rdma=nic, container=ContainerInfo())
+    docker = replace(here, rdma=nic, container=ContainerInfo(in_container=True, runtime="docker"))
+    missing = str(tmp_path / "no-such-dir")
+    assert _rdma.why_off("auto", bare, dev_root=missing) is None  # bare metal: verbs finds its files
+    assert _rdma.choose_device(bare) == "mlx5_0:1"
+    why = _rdma.why_off("auto", docker, dev_root=missing)
+    assert "ACTIVE RDMA ports, but in a container (docker) without" in why and f"--device={missing}" in why
+    assert _rdma.why_off("auto", docker, dev_root=str(tmp_path)) is None  # mounted
+    assert "no ACTIVE RDMA port" in _rdma.why_off("auto", replace(docker, rdma=()), dev_root=missing)
+    assert _rdma.why_off("tcp", replace(docker, rdma=()), dev_root=missing) is None
+    assert _rdma.why_off("off", bare) == "turned off (rdma=False)"
+
+
+def test_a_node_whose_rdma_path_started_is_fork_guarded():
+    """The fork-safety variables are set before NIXL loads, and a fork after the path started
+    logs the warning (mq.forksafe)."""
+    if _nixl_missing():
+        pytest.skip(_nixl_missing())
+    from mq import forksafe
+
+    with mq.create("nng", 0, rdma="tcp") as q:
+        assert q._sender.rdma.unavailable is None, q._sender.rdma.unavailable
+        state = forksafe.state()
+        assert state["rdma_started"] and state["fork_warning_installed"]
+        assert os.environ.get("IBV_FORK_SAFE") and os.environ.get("RDMAV_FORK_SAFE")
+        assert q.stats().rdma["mode"] == "tcp"

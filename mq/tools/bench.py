@@ -248,7 +248,7 @@ class _Runner:
         if rpc_types and nng_only:
             self.notes.append(f"{' and '.join(nng_only)} measured for nng only (not {', '.join(rpc_types)})")
         groups = []
-        if "rdma" in cfg.routes and "nng" in cfg.mq_types:
+        if "rdma" in cfg.routes:
             self.notes.append("route rdma: both nodes made with rdma='tcp', mq's rdma path (NIXL) over UCX's "
                               "tcp transport, no RDMA device; buffers under rdma_inline_max (64 KiB) "
                               "stay inline on the link")
@@ -259,7 +259,12 @@ class _Runner:
                 for mq_type in rpc_types if mode not in NNG_ONLY_MODES else ():
                     c = Case("mq", mq_type, "auto", cfg.device_for(mq_type), hosts, mode)
                     c.unavailable = mq_type_unavailable(mq_type)
-                    groups.append((hosts, mq_type, [c, *_owned_twins([c])]))
+                    cases = [c]
+                    if "rdma" in cfg.routes and hosts == "two":  # torch RPC carries rdma's descriptors too
+                        r = Case("mq", mq_type, "rdma", c.device, hosts, mode)
+                        r.unavailable = c.unavailable or rdma_unavailable()
+                        cases.append(r)
+                    groups.append((hosts, mq_type, [*cases, *_owned_twins(cases)]))
         return groups
 
     def _nng_cases(self, hosts: str, mode: str) -> list[Case]:

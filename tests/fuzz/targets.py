@@ -401,6 +401,9 @@ class _RdmaEngine:
         self.loaded.add(RDMA_AGENT)
         return RDMA_AGENT
 
+    def hold_peer(self, name: str) -> None:
+        pass
+
     def remove_peer(self, name: str) -> None:
         self.loaded.discard(name)
 
@@ -429,7 +432,7 @@ class _RdmaEngine:
 class _RdmaPeer:
     def __init__(self, node_id: int, incarnation: str) -> None:
         self.node_id = node_id
-        self.info = {"incarnation": incarnation}
+        self.info = {"incarnation": incarnation, "rdma": {"agent": RDMA_AGENT}}  # its HELLO's caps
         self.readers: dict[str, Any] = {}
         self.lost: str | None = None
 

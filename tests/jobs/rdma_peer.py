@@ -1,5 +1,6 @@
 """A node on another (namespace) host with the rdma path over UCX's tcp transport, for tests:
-``python -m tests.jobs.rdma_peer NODE_ID ATTACH_ADDR LISTEN_ADDR MODE [MQ_TYPE]``.
+``python -m tests.jobs.rdma_peer NODE_ID ATTACH_ADDR LISTEN_ADDR MODE [MQ_TYPE]`` (torchrpc types:
+ATTACH_ADDR is the init method).
 
 Modes: ``echo`` answers every "data" message with a "sum" message (its byte count and a
 checksum, and the route it came by), and sends back every "back" message's payload as
@@ -26,14 +27,20 @@ def main() -> None:
 
         logging.basicConfig(level=logging.DEBUG, format="%(threadName)s %(message)s")
     node_id, attach, listen, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    q = mq.create("nng", node_id, "peer", attach_to=[attach], listen_to=listen, timeout=30, rdma="tcp")
+    mq_type = sys.argv[5] if len(sys.argv) > 5 else "nng"
+    rdma = os.environ.get("MQ_TEST_RDMA", "tcp")
+    if mq_type == "nng":
+        q = mq.create("nng", node_id, "peer", attach_to=[attach], listen_to=listen, timeout=30, rdma=rdma)
+    else:  # torch RPC: ATTACH_ADDR is the init method; TP/GLOO_SOCKET_IFNAME name our veth
+        q = mq.create(mq_type, node_id, "peer", world_size=2, init_method=attach, timeout=60, rdma=rdma)
     with q:
         q.on("stats", lambda _x: q.stats().rdma)
         q.on("route", lambda _x: [q.routes()[0].kind, q.routes()[0].reason])
         q.subscribe("data")
         q.wait_for_peers(ids=[0], timeout=20)
         print("ready", flush=True)
-        if mode == "big":
+        if mode == "big":  # a warm-up by rdma first: the offer and its verdict are done with
+            q.send(0, "warm", np.ones(1 << 20, np.uint8), timeout=60)
             payload = np.full(int(os.environ["MQ_TEST_BYTES"]), 7, np.uint8)
             q.send(0, "big", payload, timeout=60)
             print("sent", flush=True)
