@@ -65,7 +65,8 @@ def choose(here: Locality, remote: Locality, carried: Collection[str], *, peer_i
         route = replace(route, gpudirect=False)
     if rdma_ok and route.kind == "tcp" and "over UCX's tcp transport" in rdma_why:
         # no RDMA port was needed: the path runs over UCX's tcp transport, as it says
-        reason = re.sub(r"; not rdma: [^;.]*", "", route.reason).replace("tcp: always available", f"rdma: {rdma_why}", 1)
+        reason = re.sub(r"; not rdma: [^;.]*", "", route.reason)
+        reason = reason.replace("tcp: always available", f"rdma: {rdma_why}", 1)
         route = replace(route, kind="rdma", gpu="rdma" if route.gpu == "tcp" else route.gpu,
                         reason=reason.replace("GPU payloads: tcp", "GPU payloads: rdma", 1))
     elif not rdma_ok and rdma_why and route.kind in ("rdma", "tcp"):

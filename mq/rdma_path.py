@@ -284,7 +284,8 @@ class RdmaPath(DataPath):
         self._verdicts: dict[int, str | None] = {}  # peer -> None (opened our memory) or why not
         self._peer_locks: dict[int, threading.Lock] = {}
         self.stats = {"offers": 0, "offers_refused": 0, "verdicts_ok": 0, "verdicts_failed": 0, "verdict_timeouts": 0,
-                      "placed": 0, "copied_bytes": 0, "pulls": 0, "pulled_bytes": 0, "pull_failures": 0, "start_retries": 0,
+                      "placed": 0, "copied_bytes": 0, "pulls": 0, "pulled_bytes": 0, "pull_failures": 0,
+                      "start_retries": 0,
                       "descriptors_refused": 0}
 
     @classmethod
@@ -354,7 +355,8 @@ class RdmaPath(DataPath):
             meta = self.engine.metadata()
         p = self._peers.get(peer)
         their_inc = str(p.info.get("incarnation", "")) if p is not None else ""
-        offer = _Offer(seq=next(self._seqs), agent=self.engine.name, meta=meta, segments=segments)  # type: ignore[arg-type]
+        offer = _Offer(seq=next(self._seqs), agent=self.engine.name, meta=meta,
+                       segments=segments)  # type: ignore[arg-type]
         if self._secret is not None:
             offer.mac = self._proof(self.node_id, self.incarnation, peer, their_inc, offer)
         self._host.send_control(peer, PATH, [TAG, {"offer": msgspec.structs.asdict(offer)}],
