@@ -64,6 +64,9 @@ VERDICT_WAIT_S = 5.0
 MAX_UNANSWERED = 3
 #: How long a frame waits for the offer of the segment it names, when another thread reads it.
 OFFER_WAIT_S = 2.0
+#: Only a segment id at most this far past the newest loaded is waited for (ids grow by one per
+#: segment); a wilder one is refused at once.
+_NEWER_SEGMENTS = 64
 #: How long a pull that NIXL cannot start yet (memory not found) is tried again.
 START_RETRY_S = 1.0
 #: Segments are faulted in and filled in pieces this large, letting other threads (the
@@ -221,7 +224,8 @@ class RdmaReader:
             raise ProtocolError(f"malformed rdma descriptor from node {self.peer}")
         _tag, seg_id, gen, offset, nbytes = desc
         seg = self.segments.get(seg_id)
-        if seg is None and seg_id > max(self.segments, default=0):  # newer than what we loaded
+        newest = max(self.segments, default=0)
+        if seg is None and newest < seg_id <= newest + _NEWER_SEGMENTS:  # an offer not loaded yet
             with self.loaded:
                 self.loaded.wait_for(lambda: seg_id in self.segments or self.closed, OFFER_WAIT_S)
             seg = self.segments.get(seg_id)
@@ -442,10 +446,14 @@ class RdmaPath(DataPath):
         with reader.loaded:
             if TAG in p.readers and offer.seq <= reader.seq:
                 return f"offer {offer.seq} replayed (already at {reader.seq})"
+            began = time.monotonic()
             try:
                 name = self.engine.add_peer(offer.meta)
             except Exception as exc:
                 return f"the engine refused its metadata: {exc}"
+            took = time.monotonic() - began
+            if took > 1.0:  # UCX connects when it loads a peer: a slow network shows here
+                log.warning("node %d: loading node %d's rdma metadata took %.1fs", self.node_id, peer, took)
             if name != offer.agent:
                 return f"metadata of agent {name[:80]!r}, not {offer.agent[:80]!r}"
             reader.segments = {i: (a, n) for i, a, n in offer.segments}

@@ -145,7 +145,10 @@ def test_two_hosts_exchange_every_size_by_rdma_and_say_so(two_hosts):
         ours = q.stats().rdma
         large = [n for n in SIZES if n >= 64 << 10]  # smaller ones stay inline (rdma_inline_max)
         assert theirs["pulls"] == len(large) + 1 and theirs["pulled_bytes"] == sum(large) + back.nbytes
-        assert ours["pulls"] == 1 and ours["placed"] == len(large) + 1  # with "back"
+        assert ours["placed"] == len(large) + 1, ours  # with "back"
+        # "back" came by a pull, unless the peer's first offer to us went unanswered for
+        # VERDICT_WAIT_S (seen rarely just after a join): then inline, and counted so
+        assert ours["pulls"] == 1 or theirs["verdict_timeouts"] >= 1, (ours, theirs)
         assert theirs["offers_refused"] == ours["offers_refused"] == 0
         assert ours["transport"] == "tcp" and ours["mode"] == "tcp"
         # every slot of ours came back once pulled: nothing held

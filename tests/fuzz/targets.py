@@ -583,7 +583,9 @@ def rdma_target(data: bytes) -> None:
         value = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
     except Exception:
         return
-    with _patched(rdma_path, "log", _QUIET):  # a refused offer is logged: millions, here
+    # a refused offer is logged (millions, here); a frame naming a segment whose offer another
+    # thread may be loading waits for it (no other thread here: nothing to wait for)
+    with _patched(rdma_path, "log", _QUIET), _patched(rdma_path, "OFFER_WAIT_S", 0.0):
         _rdma_input(value)
 
 
