@@ -112,7 +112,7 @@ class MQ:
                                     handler_threads=opts.handler_threads, timeout=self.timeout)
         self._liveness = liveness = Liveness(node_id, sender, peers, calls, life, heartbeat=self.heartbeat,
                                              peer_timeout=self.peer_timeout)
-        sender.rdma.reader_blocked = liveness.stalled  # a pull holds our reader: silence proves nothing
+        sender.rdma.reader_busy = liveness.reader_busy  # a pull holds our reader: silence proves nothing
         self._delivery = delivery = Delivery(node_id, transport, life, metrics, calls.handler_slots,
                                              liveness.stalled, queue_size=opts.queue_size,
                                              queue_bytes=opts.queue_bytes)

@@ -47,11 +47,27 @@ class Liveness:
         self.heartbeat = heartbeat
         self.peer_timeout = peer_timeout
         self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
+        self._busy = 0  # readers working on one frame for a while (reader_busy)
+        self._busy_lock = threading.Lock()
         self._receipts_due = threading.Event()  # wakes the heartbeat thread to send receipts
 
     def stalled(self) -> None:
         """Our reader is blocked (a full queue): frames wait unread, so silence proves nothing."""
         self._stalled_until = time.monotonic() + self.peer_timeout
+
+    @contextlib.contextmanager
+    def reader_busy(self) -> Any:
+        """A reader works on one frame for a while (an rdma pull: a landing segment made, the
+        bytes read): frames wait unread meanwhile, so no silence is judged until it is done and
+        the frames that waited had time to be read. The work must bound itself (a pull does)."""
+        with self._busy_lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
+            self.stalled()
 
     # ------------------------------------------------------------------ frames
     def on_ping(self, env: Envelope) -> None:
@@ -175,7 +191,7 @@ class Liveness:
                 if now - p.last_sent >= self.heartbeat:
                     self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))
                 silent = now - p.last_seen
-                if silent > self.peer_timeout and now > self._stalled_until:
+                if silent > self.peer_timeout and now > self._stalled_until and not self._busy:
                     self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
                                                 "crashed or the network between us is down)")
             housekeeping(now)

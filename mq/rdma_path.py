@@ -29,10 +29,12 @@ same link, before the first frame that names it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import itertools
 import logging
+import mmap
 import os
 import threading
 import time
@@ -136,10 +138,7 @@ class RegisteredPool:
         return self._new(cap) if self._bytes + cap <= self.max_bytes else None
 
     def _new(self, cap: int) -> _Segment:
-        memory = np.empty(cap, np.uint8)
-        for at in range(0, cap, _PIECE):  # fault it in now, once: a pull must not wait on page faults
-            memory[at:at + _PIECE:4096] = 0
-            time.sleep(0)
+        memory = _populated(cap)
         base = address_of(memory)[0]
         registration = self.engine.register(base, cap)
         seg = self.slots.add(_Segment(slot_id=self.slots.next_id(), size=cap, memory=memory, base=base,
@@ -273,9 +272,9 @@ class RdmaPath(DataPath):
         self.incarnation = incarnation
         self._locality = locality
         self._required = required
-        #: called while a pull holds the thread that reads frames (liveness must not judge peers
+        #: entered while a pull holds the thread that reads frames (liveness must not judge peers
         #: silent meanwhile: their frames wait unread)
-        self.reader_blocked: Any = lambda: None
+        self.reader_busy: Any = contextlib.nullcontext
         self.unavailable: str | None = "not opened yet"
         self.engine: Any = None
         self.send_pool: RegisteredPool | None = None
@@ -363,11 +362,17 @@ class RdmaPath(DataPath):
                        segments=segments)  # type: ignore[arg-type]
         if self._secret is not None:
             offer.mac = self._proof(self.node_id, self.incarnation, peer, their_inc, offer)
-        self._host.send_control(peer, PATH, [TAG, {"offer": msgspec.structs.asdict(offer)}],
-                                max(0.1, deadline - time.monotonic()))
+        with self._cond:  # before it goes: the verdict may come before the send returns
+            self._unanswered.setdefault(peer, set()).add(offer.seq)
+        try:
+            self._host.send_control(peer, PATH, [TAG, {"offer": msgspec.structs.asdict(offer)}],
+                                    max(0.1, deadline - time.monotonic()))
+        except BaseException:
+            with self._cond:
+                self._unanswered.get(peer, set()).discard(offer.seq)
+            raise
         with self._cond:
             self._offered[peer] = version
-            self._unanswered.setdefault(peer, set()).add(offer.seq)
         self.stats["offers"] += 1
 
     def on_frame(self, peer: int, body: Any) -> None:
@@ -571,12 +576,14 @@ class RdmaPath(DataPath):
         if landing is None or engine is None:
             raise ProtocolError("an rdma descriptor reached a node without an rdma path")
         seg = None
-        self.reader_blocked()  # a new landing segment is made and registered first: it takes a while
         try:
-            with landing.slots.cond:
-                seg = landing.take(nbytes, 0.0)  # never waits: past its bound it grows
-                seg.pinned = True
-            self._transfer(reader, remote_addr, seg.base, nbytes)
+            # a new landing segment may be made and registered first: with the read, it takes a
+            # while under load, and frames wait unread meanwhile
+            with self.reader_busy():
+                with landing.slots.cond:
+                    seg = landing.take(nbytes, 0.0)  # never waits: past its bound it grows
+                    seg.pinned = True
+                self._transfer(reader, remote_addr, seg.base, nbytes)
         except BaseException:
             self.stats["pull_failures"] += 1
             if seg is not None:
@@ -597,16 +604,17 @@ class RdmaPath(DataPath):
                 handle = engine.read(reader.agent, remote_addr, local_addr, nbytes)
                 break
             except Exception as exc:
+                gone = self._gone(reader)
+                if gone is not None:  # its memory was forgotten here when it was lost: say that
+                    raise gone from None
                 # NIXL may not find memory it has just been told of yet (seen once in a few
                 # dozen runs: NIXL_ERR_NOT_FOUND right after the offer loaded): try again briefly
-                if "NOT_FOUND" not in str(exc) or time.monotonic() > start_by or reader.closed:
+                if "NOT_FOUND" not in str(exc) or time.monotonic() > start_by:
                     raise self._failed(reader, f"could not start a pull: {exc}") from None
                 self.stats["start_retries"] += 1
                 time.sleep(0.005)
         deadline = time.monotonic() + PULL_STALL_S + nbytes / _SLOWEST_BPS
         pause = 0.0
-        blocked = self.reader_blocked
-        last_told = 0.0
         try:
             while True:
                 state = engine.state(handle)
@@ -614,22 +622,25 @@ class RdmaPath(DataPath):
                     return
                 if state == "ERR":
                     raise self._failed(reader, "the transfer failed (its process or host is gone)")
-                p = self._peers.get(reader.peer)
-                if p is None or p.lost or reader.closed:
-                    raise PeerLeft(f"node {reader.peer} {p.lost if p is not None and p.lost else 'left'} "
-                                   "during an rdma pull")
-                now = time.monotonic()
-                if now > deadline:
+                gone = self._gone(reader)
+                if gone is not None:
+                    raise gone
+                if time.monotonic() > deadline:
                     raise self._failed(reader, f"a pull of {nbytes} bytes made no progress in "
                                                f"{PULL_STALL_S + nbytes / _SLOWEST_BPS:.0f}s")
-                if now - last_told > 0.5:
-                    blocked()
-                    last_told = now
                 if pause:
                     time.sleep(pause)
                 pause = min(2e-4, pause * 2 or 2e-5)  # a pull of 1 MB takes ~1 ms over tcp
         finally:
             engine.release(handle)
+
+    def _gone(self, reader: RdmaReader) -> PeerLeft | None:
+        """PeerLeft, saying why, when ``reader``'s peer is lost or left; else None."""
+        p = self._peers.get(reader.peer)
+        if p is None or p.lost or reader.closed:
+            return PeerLeft(f"node {reader.peer} {p.lost if p is not None and p.lost else 'left'} "
+                            "during an rdma pull")
+        return None
 
     def _failed(self, reader: RdmaReader, why: str) -> PeerLeft:
         """A pull from ``reader``'s peer failed: the peer is lost now (its link may not know
@@ -689,6 +700,21 @@ def _copy_in_pieces(dst: np.ndarray, src: np.ndarray) -> None:
     for at in range(0, dst.nbytes, _PIECE):
         np.copyto(dst[at:at + _PIECE], src[at:at + _PIECE])
         time.sleep(0)  # let the heartbeat thread in
+
+
+def _populated(nbytes: int) -> np.ndarray:
+    """``nbytes`` of anonymous memory with every page faulted in by the kernel at once
+    (``MAP_POPULATE``, without the GIL): a pull must not wait on page faults, and touching 1 GiB
+    page by page from Python took 3 s idle (~0.35 s this way), past the heartbeat under load."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    if not populate:  # not Linux: touch each page
+        memory = np.empty(nbytes, np.uint8)
+        for at in range(0, nbytes, _PIECE):
+            memory[at:at + _PIECE:4096] = 0
+            time.sleep(0)
+        return memory
+    # unmapped when the last view of it is gone
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate), np.uint8)
 
 
 def _on_cpu(buf: Any) -> bool:

@@ -25,7 +25,7 @@ def main() -> None:
     if os.environ.get("MQ_TEST_DEBUG"):
         import logging
 
-        logging.basicConfig(level=logging.DEBUG, format="%(threadName)s %(message)s")
+        logging.basicConfig(level=logging.DEBUG, format="%(asctime)s %(threadName)s %(message)s")
     node_id, attach, listen, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     mq_type = sys.argv[5] if len(sys.argv) > 5 else "nng"
     rdma = os.environ.get("MQ_TEST_RDMA", "tcp")
