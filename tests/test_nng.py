@@ -328,10 +328,13 @@ LINKS = {"own links": {}, "NNG sockets only": {"unix_links": False, "tcp_links":
 
 @contextlib.contextmanager
 def pong_pair(**options):
+    """Node 0 and a pong peer; node 0 stops while the peer lives (it confirms what it got: killed
+    first, its last receipt could be lost under load, and stop() said Undelivered), then the kill."""
     q = mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", timeout=10, **options)
     with q, peer_process(q, "pong"):
         q.wait_for_peers(1, timeout=10)
         yield q
+        q.stop()
 
 
 def ping(q, n, delay):
