@@ -71,7 +71,7 @@ OFFER_WAIT_S = 2.0
 _NEWER_SEGMENTS = 64
 #: How long a pull that NIXL cannot start yet (memory not found) is tried again.
 START_RETRY_S = 1.0
-#: Segments are faulted in and filled in pieces this large, letting other threads (the
+#: Buffers are copied into segments in pieces this large, letting other threads (the
 #: heartbeat) take the GIL in between: a 512 MB buffer must not silence a node for seconds.
 _PIECE = 64 << 20
 #: A pull that makes no progress this long gives up (the peer's host vanished without a FIN);
@@ -704,17 +704,11 @@ def _copy_in_pieces(dst: np.ndarray, src: np.ndarray) -> None:
 
 def _populated(nbytes: int) -> np.ndarray:
     """``nbytes`` of anonymous memory with every page faulted in by the kernel at once
-    (``MAP_POPULATE``, without the GIL): a pull must not wait on page faults, and touching 1 GiB
-    page by page from Python took 3 s idle (~0.35 s this way), past the heartbeat under load."""
-    populate = getattr(mmap, "MAP_POPULATE", 0)
-    if not populate:  # not Linux: touch each page
-        memory = np.empty(nbytes, np.uint8)
-        for at in range(0, nbytes, _PIECE):
-            memory[at:at + _PIECE:4096] = 0
-            time.sleep(0)
-        return memory
-    # unmapped when the last view of it is gone
-    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate), np.uint8)
+    (``MAP_POPULATE``, without the GIL; NIXL runs on Linux only): a pull must not wait on page
+    faults, and touching 1 GiB page by page from Python took 3 s idle (0.35 s this way), past
+    the heartbeat under load. Unmapped when the last view of it is gone."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
 
 
 def _on_cpu(buf: Any) -> bool:
