@@ -35,6 +35,9 @@ setup(
         # also runs on CPU-only hosts (UCX's tcp transport).
         "rdma": ["nixl-cu13>=1.5"],
         "atari": ["gymnasium>=1.0", "ale-py>=0.12"],
+        # mq.integrations.torchrl (TorchRL's weight-sync backend "mq"), TensorDict payloads, and
+        # examples/torchrl_ppo (CartPole through TorchRL's GymEnv).
+        "torchrl": ["torchrl>=0.14", "tensordict>=0.14", "gymnasium>=1.0"],
         # The docs site (mkdocs.yml, docs/): tests/test_docs.py builds it with --strict.
         "docs": ["mkdocs-material>=9.5", "mkdocstrings[python]>=1.0"],
         "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", ATHERIS, "matplotlib>=3.7", "pyzmq>=25",

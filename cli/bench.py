@@ -1,4 +1,4 @@
-"""`mq bench`: the point-to-point latency table (see DESIGN.md, "Benchmarks").
+"""`mq bench`: the point-to-point latency table (see docs/benchmarks.md).
 
 Thin: parses options into :class:`mq.tools.bench.BenchConfig`, shows progress, prints or writes the
 :class:`mq.tools.bench.Report`. The measuring lives in :mod:`mq.tools.bench`, the second host in

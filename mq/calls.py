@@ -6,7 +6,7 @@ bound it, and calls in one exchange (``Transport.request``). Data flows::
 
     facade.call -> Calls.pending / Calls.request -> sender | transport.request
     dispatch: REQ -> Calls.submit -> pool thread -> handler -> sender (REP)
-              REP -> Calls.on_reply -> the caller's future
+              REP -> Calls.on_reply -> the caller's future (its wait: Calls.answered)
     transport.request on the peer -> dispatch.on_request -> Calls.serve_now (its thread)
 """
 
@@ -29,6 +29,7 @@ from mq.peers import Peer, PeerTable
 from mq.sender import Sender
 from mq.stats import Refusals, Stats
 from mq.transport import Transport
+from mq.waits import LIVE_OR_STOPPING, Waits
 
 log = logging.getLogger("mq")
 
@@ -44,7 +45,7 @@ class Calls:
     """
 
     def __init__(self, node_id: int, sender: Sender, peers: PeerTable, transport: Transport,
-                 codec: Codec, life: Lifecycle, stats: Stats, refusals: Refusals, *,
+                 codec: Codec, life: Lifecycle, stats: Stats, refusals: Refusals, waits: Waits, *,
                  handler_threads: int, timeout: float):
         self.node_id = node_id
         self._sender = sender
@@ -54,6 +55,7 @@ class Calls:
         self._life = life
         self._stats = stats
         self._refusals = refusals
+        self._waits = waits
         self._timeout = timeout
         self._threads = handler_threads
         self._calls: dict[int, tuple[int, Future]] = {}
@@ -66,8 +68,12 @@ class Calls:
         self._ids = itertools.count(1)
         self._servers: dict[str, Callable[[Any], Any]] = {}
         self._lock = threading.Lock()
-        self.handler_slots = threading.BoundedSemaphore(handler_threads * 4)
-        self._request_slots = threading.BoundedSemaphore(handler_threads)  # see serve_now
+        # REQ frames queued or running on the pool, at most handler_slots: a full pool holds up
+        # the reader (backpressure), which tells liveness (reader_busy) that silence proves nothing.
+        self.handler_slots = handler_threads * 4
+        self.queued = 0
+        self._requests_running = 0  # handlers running in a transport's thread (serve_now)
+        self.reader_busy: Callable[[], Any] = contextlib.nullcontext  # set by the node (liveness)
         self._executor: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ calling
@@ -76,8 +82,10 @@ class Calls:
 
     @contextlib.contextmanager
     def pending(self, peer: int, corr: int) -> Iterator[Future]:
-        """The future a REP frame for ``corr`` from ``peer`` resolves, while inside."""
+        """The future a REP frame for ``corr`` from ``peer`` resolves, while inside; waits
+        ``on`` it are woken when it is done."""
         fut: Future = Future()
+        fut.add_done_callback(self._waits.wake)
         with self._lock:
             self._calls[corr] = (peer, fut)
         try:
@@ -85,6 +93,19 @@ class Calls:
         finally:
             with self._lock:
                 self._calls.pop(corr, None)
+
+    def answered(self, peer: int, corr: int, fut: Future) -> Callable[[], bool]:
+        """What a caller waits for: True once call ``corr`` to ``peer`` is answered (or failed);
+        raises PeerLost once the peer is lost, unless it promised the answer in its goodbye
+        (then :meth:`link_lost` ends the call if the answer never comes)."""
+        def settled() -> bool:
+            if fut.done():
+                return True
+            p = self._peers.get(peer)
+            if p is not None and p.lost and corr not in self._promised.get(peer, ()):
+                raise PeerLost(f"node {peer} {p.lost}")
+            return False
+        return settled
 
     def request(self, peer: int, frame: Frame, deadline: float) -> Envelope | None:
         """A call in one exchange (``Transport.request``): its checked reply (REP_OK/REP_ERR),
@@ -140,14 +161,6 @@ class Calls:
         except InvalidStateError:  # the call already failed (peer lost, stop) or timed out
             self._stats.dropped_unexpected_reply += 1
 
-    def peer_lost(self, peer: Peer, why: str) -> None:
-        """Fail the calls waiting on ``peer``, but those it promised to answer in its goodbye
-        (its answers follow the BYE; :meth:`link_lost` ends them if they never come)."""
-        with self._lock:
-            promised = self._promised.get(peer.node_id, set())
-            pending = [fut for corr, (p, fut) in self._calls.items() if p == peer.node_id and corr not in promised]
-        _fail_all(pending, PeerLost(f"node {peer.node_id} {why}"))
-
     def promised(self, peer: int, corrs: Any) -> None:
         """``peer`` said goodbye and will still answer these calls of ours (they reached it
         before it began to stop)."""
@@ -189,6 +202,7 @@ class Calls:
     def _served(self, env: Envelope) -> None:
         with self._lock:
             self._serving.get(env.sender, set()).discard(env.corr)
+        self._waits.wake(self)
 
     def serving(self) -> int:
         """Calls being served (queued or running): stop() lets them answer."""
@@ -205,30 +219,43 @@ class Calls:
 
     def has_room(self) -> bool:
         """Whether a REQ frame can be queued without waiting for a handler slot."""
-        # (A semaphore's count, read without taking its lock: acquire() + release() per recv()
-        # cost ~3 us, and only the reading thread takes slots while it reads.)
-        return self.handler_slots._value > 0
+        return self.queued < self.handler_slots
 
     def submit(self, env: Envelope, wait: bool) -> None:
-        """Serve a REQ frame on the pool. Slots bound queued calls (released when served); a
-        thread reading for itself must not ``wait`` for handlers, which may wait for it: its
-        request queues past the bound (one per read at most)."""
+        """Serve a REQ frame on the pool. ``handler_slots`` bound queued calls; while they are
+        all taken the reader waits here (backpressure). A thread reading for itself must not
+        ``wait`` for handlers, which may wait for it: its request queues past the bound (one
+        per read at most)."""
         if not self._admit(env):
             return
-        slot = self.handler_slots.acquire(blocking=wait)
+        if wait and not self.has_room():
+            try:
+                with self.reader_busy():  # frames wait unread meanwhile: nobody's silence counts
+                    self._waits.until(self.has_room, None, on=(self,), states=LIVE_OR_STOPPING)
+            except ClosedError:
+                self._served(env)  # stopped while it waited: its caller learns it from our goodbye
+                return
+        with self._lock:
+            self.queued += 1
         try:
             assert self._executor is not None
-            self._executor.submit(self._serve, env, slot)
+            self._executor.submit(self._serve, env)
         except RuntimeError:  # pool shut down: we are stopping
             self._served(env)
-            if slot:
-                self.handler_slots.release()
+            self._slot_free()
+
+    def _slot_free(self) -> None:
+        with self._lock:
+            self.queued -= 1
+        self._waits.wake(self)
 
     def serve_now(self, env: Envelope, peer: Peer) -> Frame | None:
         """Serve a request in this thread (``on_request``) and return its reply; None when
         ``handler_threads`` already run this way (the requester sends an ordinary frame)."""
-        if not self._request_slots.acquire(blocking=False):
-            return None
+        with self._lock:
+            if self._requests_running >= self._threads:
+                return None
+            self._requests_running += 1
         try:
             if not self._admit(env):
                 return None
@@ -239,14 +266,17 @@ class Calls:
             finally:
                 self._served(env)
         finally:
-            self._request_slots.release()
+            with self._lock:
+                self._requests_running -= 1
 
     def finish(self, deadline: float) -> None:
         """After saying goodbye: let the calls we serve (they reached us before, and their
         callers wait for them) send their answers, until ``deadline``; a caller whose handler
         still runs then gets a REP_ERR saying so, not a silent PeerLost."""
-        while self.serving() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        try:
+            self._waits.until(lambda: not self.serving(), deadline, on=(self,), states=LIVE_OR_STOPPING)
+        except MQError:
+            pass  # (out of time, or closed): the late ones are answered below
         with self._lock:
             late = [(peer, corr) for peer, corrs in self._serving.items() for corr in corrs]
         for peer, corr in late:
@@ -284,7 +314,7 @@ class Calls:
         except EncodeError as exc:
             return self._sender.encode(REP_ERR, env.topic, _error_payload(exc), env.corr)
 
-    def _serve(self, env: Envelope, slot: bool = True) -> None:
+    def _serve(self, env: Envelope) -> None:
         try:
             self._sender.deliver_to([env.sender], self._answer(env), time.monotonic() + self._timeout)
         except MQError as exc:
@@ -292,8 +322,7 @@ class Calls:
                         self.node_id, env.topic, env.sender, exc)
         finally:
             self._served(env)
-            if slot:
-                self.handler_slots.release()
+            self._slot_free()
 
 
 def _fail_all(futures: list[Future], error: MQError) -> None:

@@ -87,7 +87,7 @@ class LatestWins:
         self._acting_topic = f"{name}._acting"
         self.send_timeout = float(send_timeout)
         self.relay = relay
-        self._cond = threading.Condition()
+        self._cond = threading.RLock()  # its state; waits go through the node's (q.waits, on self)
         self.version = -1  # newest version published (publisher) or received (subscriber)
         self.stats = {"published": 0, "by_handle": 0, "plain": 0, "sent": 0, "superseded": 0,
                       "failed": 0, "received": 0, "relayed": 0}
@@ -221,15 +221,15 @@ class LatestWins:
         """
         wait = self.q.timeout if timeout is None else timeout
 
-        def done() -> bool:
-            return all(s.box is None and (s.in_flight is None or s.confirmed >= s.in_flight[0])
-                       for s in self._senders.values() if s.alive and s.peer in live)
+        def done() -> bool:  # (a subscriber lost meanwhile no longer counts)
+            live = set(self.q.peers())
+            with self._cond:
+                return all(s.box is None and (s.in_flight is None or s.confirmed >= s.in_flight[0])
+                           for s in self._senders.values() if s.alive and s.peer in live)
 
-        live = set(self.q.peers())
-        with self._cond:
-            if not self._cond.wait_for(done, wait):
-                raise Timeout(f"{self.name!r}: the newest version did not reach every subscriber within "
-                              f"{wait:g}s (slow or stuck subscribers: pass a longer timeout)")
+        self.q.waits.until(done, time.monotonic() + wait, on=(self,),
+                           what=f"{self.name!r}: the newest version did not reach every subscriber within "
+                                f"{wait:g}s (slow or stuck subscribers: pass a longer timeout)")
 
     def lag(self) -> dict[int, int]:
         """Policy lag per subscriber that reported: newest version minus the one it acts with."""
@@ -255,7 +255,7 @@ class LatestWins:
             origin = p["o"] if isinstance(p.get("o"), int) else msg.sender
             self._latest = Version(p["v"], value, origin)
             self.version = p["v"]
-            self._cond.notify_all()
+        self.q.waits.wake(self)
         relay_to = [x for x in p.get("relay_to") or () if isinstance(x, int)]
         if relay_to:  # one copy into our pool for the subscribers of this host
             peers = set(self.q.peers())
@@ -279,13 +279,17 @@ class LatestWins:
             Timeout: nothing newer arrived within ``timeout`` seconds (default: the queue's).
         """
         wait = self.q.timeout if timeout is None else timeout
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._latest is not None and self._latest.number > version,
-                                       wait):
-                have = "none yet" if self._latest is None else f"have {self._latest.number}"
-                raise Timeout(f"no version of {self.name!r} newer than {version} within {wait:g}s "
-                              f"({have}): is the publisher running and publishing?")
-            return self._latest  # type: ignore[return-value]
+
+        def newer() -> Version | None:
+            latest = self._latest
+            return latest if latest is not None and latest.number > version else None
+
+        def late() -> str:
+            have = "none yet" if self._latest is None else f"have {self._latest.number}"
+            return (f"no version of {self.name!r} newer than {version} within {wait:g}s "
+                    f"({have}): is the publisher running and publishing?")
+
+        return self.q.waits.until(newer, time.monotonic() + wait, on=(self,), what=late)
 
     def acting(self, version: int) -> None:
         """Tell the publisher this node now acts with ``version`` (its policy lag). Sent only
@@ -433,7 +437,7 @@ class _Sender(threading.Thread):
     def received(self, version: int) -> None:
         with self.channel._cond:
             self.confirmed = max(self.confirmed, version)
-            self.channel._cond.notify_all()
+        self.channel.q.waits.wake(self.channel)
 
     def offer(self, version: int, message: dict[str, Any], buf: _Buffer | None,
               extra: dict[str, Any] | None) -> None:
@@ -445,12 +449,17 @@ class _Sender(threading.Thread):
             if buf is not None:
                 buf.pending += 1
             self.box = (version, message, buf, extra)
-            self.channel._cond.notify_all()
+        self.channel.q.waits.wake(self.channel)
 
     def stop(self) -> None:
         with self.channel._cond:
             self.alive = False
-            self.channel._cond.notify_all()
+        self.channel.q.waits.wake(self.channel)
+
+    def _due(self) -> bool:
+        """Work to do: stop, or a version to send while none is in flight unconfirmed."""
+        return not self.alive or (self.box is not None and (self.in_flight is None
+                                                            or self.confirmed >= self.in_flight[0]))
 
     def run(self) -> None:
         ch, q = self.channel, self.channel.q
@@ -459,9 +468,11 @@ class _Sender(threading.Thread):
                 if self.in_flight is not None and (self.confirmed >= self.in_flight[0] or
                                                    time.monotonic() - self.in_flight[1] > ch.send_timeout):
                     self.in_flight = None  # confirmed, or no receipt: its handler is stuck or it left
-                if self.box is None or self.in_flight is not None:
-                    ch._cond.wait(0.5)
-                    continue
+                idle = self.box is None or self.in_flight is not None
+            if idle:
+                q.waits.pause(self._due, 0.5, on=(ch,))
+                continue
+            with ch._cond:
                 version, message, buf, extra = self.box
                 self.box = None
                 self.in_flight = (version, time.monotonic())

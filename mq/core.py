@@ -3,7 +3,8 @@
 :class:`MQ` is a facade. It checks what the user passes and hands the work to the parts that
 own it, each in its own module::
 
-    mq.peers      PeerTable   peers, link bindings, waits, joined/lost transitions, routes
+    mq.waits      Waits       the one way its threads block (ended by peer loss and stop)
+    mq.peers      PeerTable   peers, link bindings, joined/lost transitions, routes
     mq.join       Join        greetings, HELLO/HELLO_ACK/LINK, proofs, route choice per peer
     mq.dispatch   Dispatch    the transport's Events: admission, the switch on frame kind
     mq.delivery   Delivery    subscriptions, the bounded queues, the handler thread, recv()
@@ -46,15 +47,19 @@ from mq.lifecycle import STOPPED, Lifecycle
 from mq.liveness import Liveness
 from mq.locality import Locality, local
 from mq.message import Message
-from mq.node_options import NodeOptions
+from mq.node_options import MAX_TIMEOUT_S, NodeOptions
 from mq.node_options import seconds as _seconds
 from mq.peers import MIN_WINDOW, PeerTable, domain
 from mq.routing import Route
 from mq.sender import Sender
 from mq.stats import Refusals, Stats
 from mq.transport import Transport
+from mq import waits as waits_mod
+from mq.waits import LIVE_OR_STOPPING, Waits
 
 log = logging.getLogger("mq")
+
+NATIVE_DROPS_EVERY_S = 5.0  # how often the heartbeat reads the transport library's drop counters
 
 
 
@@ -95,11 +100,12 @@ class MQ:
         # state (life, stats, metrics, peers), then sending, calls, liveness, delivery, joining,
         # fan-out, and dispatch, which reads every frame and so takes all of them.
         self._life = life = Lifecycle()
+        self._waits = waits = Waits(lambda: life.state)
         self._stats = stats = Stats()
         self._metrics = metrics = _metrics.Metrics()
-        refusals = Refusals(node_id, stats)
+        self._refusals = refusals = Refusals(node_id, stats)
         # host_of(node_id), asked by every large publish: the descriptor's to_dict() cost ~60 us
-        self._peers = peers = PeerTable(node_id, life, domain(self.locality.to_dict()))
+        self._peers = peers = PeerTable(node_id, life, domain(self.locality.to_dict()), waits)
         self._sender = sender = Sender(node_id, transport, self.codec, peers, life, stats, metrics,
                                        shm=opts.shm, shm_options=(opts.shm_pool_bytes, opts.shm_inline_max),
                                        cuda=opts.cuda, cuda_pool_bytes=opts.cuda_pool_bytes,
@@ -108,13 +114,14 @@ class MQ:
                                            "rdma": opts.rdma, "rdma_pool_bytes": opts.rdma_pool_bytes,
                                            "rdma_inline_max": opts.rdma_inline_max, "secret": self.secret,
                                            "locality": self.locality, "require_route": opts.require_route})
-        self._calls = calls = Calls(node_id, sender, peers, transport, self.codec, life, stats, refusals,
+        self._calls = calls = Calls(node_id, sender, peers, transport, self.codec, life, stats, refusals, waits,
                                     handler_threads=opts.handler_threads, timeout=self.timeout)
         self._liveness = liveness = Liveness(node_id, sender, peers, calls, life, heartbeat=self.heartbeat,
                                              peer_timeout=self.peer_timeout)
-        sender.rdma.reader_busy = liveness.reader_busy  # a pull holds our reader: silence proves nothing
-        self._delivery = delivery = Delivery(node_id, transport, life, metrics, calls.handler_slots,
-                                             liveness.stalled, queue_size=opts.queue_size,
+        # A reader held up (an rdma pull, handlers all busy, a full queue): silence proves nothing.
+        sender.rdma.reader_busy = calls.reader_busy = liveness.reader_busy
+        self._delivery = delivery = Delivery(node_id, transport, life, metrics, waits, calls.has_room,
+                                             liveness.reader_busy, queue_size=opts.queue_size,
                                              queue_bytes=opts.queue_bytes)
         window = max(opts.queue_size, MIN_WINDOW)
         hello = {"labels": sorted(self.labels), "locality": self.locality.to_dict(),
@@ -125,12 +132,15 @@ class MQ:
                                  required=opts.require_route)
         self._fanout = fanout = _fanout.Fanout(
             node_id, peers, sender, self.codec, refusals, life, ping=liveness.ping, deliver=delivery.deliver,
-            stalled=liveness.stalled, min_bytes=opts.relay_min_bytes, shape=opts.relay_shape,
+            reader_busy=liveness.reader_busy, min_bytes=opts.relay_min_bytes, shape=opts.relay_shape,
             keeps_tensors=transport.keeps_tensors, timeout=self.timeout, streams_to=transport.streams_to)
+        self._native_seen: dict[str, int] = {}  # the transport's own drops counted so far
+        self._native_due = 0.0
         self._dispatch = Dispatch(node_id, self.codec, peers, join, delivery, calls, liveness, sender, fanout,
                                   life, stats, refusals, max_frame_bytes=opts.max_frame_bytes, secret=self.secret,
                                   window=window)
-        for hook in (sender.forget, calls.peer_lost, sender.disconnect):  # a lost peer: in this order
+        # A lost peer: its pools are freed, its link closed (waits on it end by themselves: mq.waits).
+        for hook in (sender.forget, sender.disconnect):
             peers.on_lost(hook)
         # The send path, bound once (see scripts/hotpath).
         self._encode = sender.encode
@@ -154,7 +164,7 @@ class MQ:
             peer_route.check_required_here(self.options.require_route, self._sender.rdma.unavailable)
             for target in list(self.transport.start(self._dispatch)):
                 self._join.greet(target)
-            self._beat = threading.Thread(target=self._liveness.run, args=(self._join.expire,), daemon=True,
+            self._beat = threading.Thread(target=self._liveness.run, args=(self._housekeeping,), daemon=True,
                                           name=f"mq{self.node_id}-heartbeat")
             self._beat.start()
         except BaseException:
@@ -178,6 +188,7 @@ class MQ:
             return None
         deadline = time.monotonic() + timeout
         self._life.state = "stopping"  # no new sends; answers to calls still go
+        self._waits.wake_all()  # waits that end when the node stops look now
         # Most of the time is the receivers' to confirm; the rest closes the links.
         until = deadline - min(0.5, timeout / 5)
         unconfirmed = self._liveness.farewell(until)
@@ -190,10 +201,11 @@ class MQ:
         self._sender.close()
         self._calls.close()
         self._peers.wake()
-        self._delivery.join(max(0.0, deadline - time.monotonic()))
+        self._delivery.finish(max(0.0, deadline - time.monotonic()))
         if not unconfirmed:
             return None
-        error = Undelivered(unconfirmed, timeout)
+        lost = {peer: p.lost for peer in unconfirmed if (p := self._peer_get(peer)) is not None and p.lost}
+        error = Undelivered(unconfirmed, timeout, lost)
         if raise_undelivered:
             raise error
         log.warning("node %d: %s", self.node_id, error)
@@ -214,6 +226,13 @@ class MQ:
     def addresses(self) -> dict[str, str]:
         """Where peers reach this node, by kind (``tcp``, ``ipc``, ...), once listening."""
         return dict(self.transport.addresses)
+
+    @property
+    def waits(self) -> Waits:
+        """This node's waits (:class:`mq.waits.Waits`), for code built on a node (streams,
+        channels): ``waits.until(ready, deadline, on=..., peers=...)`` ends when a peer it
+        depends on is lost or the node stops; ``waits.wake(obj)`` wakes the waits on ``obj``."""
+        return self._waits
 
     @property
     def shm_unavailable(self) -> str | None:
@@ -308,11 +327,13 @@ class MQ:
             # A REQ frame; the REP frame resolves the future (dispatch -> Calls.on_reply).
             with self._calls.pending(peer, corr) as fut:
                 self._deliver_to([peer], frame, deadline)
-                self._delivery.read_while(fut.done, deadline)
-                return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                answered = self._calls.answered(peer, corr, fut)  # True, or PeerLost (not promised)
+                self._delivery.read_while(answered, deadline)
+                self._waits.until(answered, deadline, on=(fut,), states=LIVE_OR_STOPPING,
+                                  what=lambda: _no_answer(peer, topic, timeout))
+                return waits_mod.result(fut, 0)
         except FutureTimeout:
-            raise Timeout(f"node {peer} did not answer call {topic!r} within {timeout:g}s "
-                          "(pass timeout= to wait longer)") from None
+            raise Timeout(_no_answer(peer, topic, timeout)) from None
 
     def on(self, topic: str, fn: Callable[[Any], Any]) -> None:
         """Serve :meth:`call` on ``topic``: ``fn(payload)`` returns the answer."""
@@ -383,7 +404,11 @@ class MQ:
         Raises:
             Timeout: nothing arrived within ``timeout`` seconds (default: the queue's timeout).
         """
-        return self._delivery.recv(self.timeout if timeout is None else _seconds(timeout, "timeout"))
+        if timeout is None:
+            timeout = self.timeout
+        elif type(timeout) is not float or not 0 <= timeout <= MAX_TIMEOUT_S:  # (the check, off the hot path)
+            timeout = _seconds(timeout, "timeout")
+        return self._delivery.recv(timeout)
 
     # ------------------------------------------------------------------ peers
     def peers(self, label: str | None = None) -> list[int]:
@@ -452,7 +477,7 @@ class MQ:
             "mq_type": self.mq_type,
             "queues": self._delivery.depths(),
             "drops": {"malformed": s.dropped_malformed, "oversized": s.dropped_oversized,
-                      "unexpected_reply": s.dropped_unexpected_reply},
+                      "unexpected_reply": s.dropped_unexpected_reply, **s.dropped},
             "rejected": dict(s.rejected),
             "routes": {p: r.kind for p, r in self.routes().items()},
             "peers_lost": {p.node_id: p.lost for p in self._peers.list() if p.lost},
@@ -472,14 +497,37 @@ class MQ:
         self._fanout.configure(min_bytes, shape)
 
     def stats(self) -> Stats:
-        """Counters: frames sent/received, drops and refusals by cause, the pool's and
-        fan-out's (``relay``)."""
+        """Counters: frames sent/received, drops and refusals by cause (the transport's own
+        library's drops too, e.g. NNG's), the pool's and fan-out's (``relay``)."""
+        self._count_native_drops()
         if self._sender.pool is not None:
             self._stats.shm = self._sender.pool_stats()
         self._stats.cuda = self._sender.gpu_stats()
         self._stats.rdma = self._sender.rdma.counters()
         self._stats.relay = dict(self._fanout.stats)
         return self._stats
+
+    def _housekeeping(self, now: float) -> None:
+        """The heartbeat thread's chores: the join's expiries; now and then, what the
+        transport's library dropped (logged as it is counted)."""
+        if self._life.listening:
+            self._join.expire(now)
+        if now >= self._native_due:
+            self._native_due = now + NATIVE_DROPS_EVERY_S
+            self._count_native_drops()
+
+    def _count_native_drops(self) -> None:
+        try:
+            counts = self.transport.native_drops()
+        except Exception:  # counters are no reason to disturb the node
+            log.debug("node %d: reading the transport's drop counters", self.node_id, exc_info=True)
+            return
+        for cause, total in counts.items():
+            new = total - self._native_seen.get(cause, 0)
+            if new > 0:
+                self._native_seen[cause] = total
+                self._refusals.dropped(f"{new} frame(s) or connection(s) dropped by {self.backend_name} itself "
+                                       f"({cause})", cause, new)
 
     def _timeout(self, timeout: float | None) -> float:
         if timeout is None:
@@ -506,6 +554,10 @@ def _preload_torch() -> None:
         _load_torch()
 
 
+
+
+def _no_answer(peer: int, topic: str, timeout: float) -> str:
+    return f"node {peer} did not answer call {topic!r} within {timeout:g}s (pass timeout= to wait longer)"
 
 
 def _check_topic(topic: Any) -> None:

@@ -1,6 +1,6 @@
 """The cuda_ipc data path: CUDA tensors between processes on one host, device to device.
 
-The twin of :mod:`mq.shm` for GPU memory (../shared/GPU.md is the design). Each node owns one
+The twin of :mod:`mq.shm` for GPU memory (docs/guides/gpu.md describes it). Each node owns one
 :class:`DevicePool` per GPU it sends from: one allocation made with the driver API
 (``cuMemAlloc``, never torch's caching allocator, whose blocks may not be exported safely), made
 lazily at the first GPU send to a same-host peer, plus a ring of interprocess events made once.
@@ -233,7 +233,7 @@ class DevicePool(SlotPool):
 
     _ids = itertools.count(1)
 
-    def __init__(self, device: int, max_bytes: int | None = None, incarnation: str = ""):
+    def __init__(self, device: int, max_bytes: int | None = None, incarnation: str = "", waits: Any = None):
         import torch
 
         self.device = device
@@ -264,7 +264,7 @@ class DevicePool(SlotPool):
         self._next_event = itertools.cycle(range(EVENTS))
         self.stats = {"placed": 0, "by_handle": 0, "copied_bytes": 0, "waits": 0, "stale_releases": 0}
         # Slots first fit in the one allocation, holders per peer: the table every data path shares.
-        self._slots = SlotTable(self.max_bytes, ALIGN, stats=self.stats)
+        self._slots = SlotTable(self.max_bytes, ALIGN, stats=self.stats, waits=waits)
         self._cond = self._slots.cond
         self._closed = False
 
@@ -300,8 +300,8 @@ class DevicePool(SlotPool):
                 self.events[k].record(self.stream)
                 self.stats["by_handle"] += 1
                 return [TAG, self.pool_id, slot.slot_id, ptr - self.base, nbytes, k]
-            slot = self._take(nbytes, timeout)
-            self._slots.hold(slot, holders)
+        slot = self._take(nbytes, timeout, holders)  # (waits without the lock: releases need it)
+        with self._cond:
             k = next(self._next_event)
             # Issued under the lock: the event ring is recorded in the order slots are handed out.
             dst = self.memory[slot.offset:slot.offset + nbytes]
@@ -318,11 +318,23 @@ class DevicePool(SlotPool):
         self.stats["copied_bytes"] += nbytes
         return [TAG, self.pool_id, slot.slot_id, slot.offset, nbytes, k]
 
-    def _take(self, nbytes: int, timeout: float) -> Slot:
+    def _take(self, nbytes: int, timeout: float, holders: list[int] | None = None) -> Slot:
+        """A slot of ``nbytes`` held for ``holders`` (pinned for alloc() when None), waiting
+        for releases while those peers live."""
         if not self.fits(nbytes):
             raise ConfigError(f"a {nbytes}-byte tensor does not fit the CUDA pool of "
                               f"{self.max_bytes} bytes: raise cuda_pool_bytes")
-        return self._slots.wait_for(lambda: self._fit(nbytes), timeout, lambda: self._full(timeout))
+
+        def claim() -> Slot | None:
+            slot = self._fit(nbytes)
+            if slot is not None:
+                if holders is None:
+                    slot.pinned = True
+                else:
+                    self._slots.hold(slot, holders)
+            return slot
+
+        return self._slots.wait_for(claim, timeout, lambda: self._full(timeout), holders or ())
 
     def _fit(self, nbytes: int) -> Slot | None:
         if self._closed:
@@ -362,9 +374,7 @@ class DevicePool(SlotPool):
             nbytes *= d
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype, device=f"cuda:{self.device}")
-        with self._cond:
-            slot = self._take(nbytes, timeout)
-            slot.pinned = True
+        slot = self._take(nbytes, timeout)
         # Its own storage object (not a slice of self.memory), so its lifetime is the user's
         # tensor's: when the last view of it is garbage, the slot is unpinned.
         memory = _Memory(self.base + slot.offset, nbytes)
@@ -384,7 +394,7 @@ class DevicePool(SlotPool):
         slots they hold, and freeing exported memory under an importer is undefined."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+        self._slots.waits.wake(self._slots)
 
     def _free(self) -> None:
         self._ctx.call(lambda: self._ctx.lib.cuMemFree_v2(self.base), "cuMemFree")

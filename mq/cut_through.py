@@ -18,12 +18,12 @@ host ever delivers part of a message.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 from mq.codec import ALIGN, Frame
-from mq.errors import ClosedError, Timeout
+from mq.errors import ClosedError
+from mq.waits import Waits
 
 __all__ = ["AHEAD", "AHEAD_MIN", "LOOK_AHEAD_S", "Arrival", "ArrivingFrame", "body_offset", "header_end"]
 
@@ -48,9 +48,10 @@ def body_offset(frame: Any) -> int:
 
 class Arrival:
     """The bytes of one frame as its link receives them. The link's reader calls
-    :meth:`advance` and :meth:`abort`; another thread :meth:`wait`\\ s for a prefix."""
+    :meth:`advance` and :meth:`abort`; another thread :meth:`wait`\\ s for a prefix, through
+    the waits of the node that :meth:`follow`\\ s it (so a sender lost meanwhile ends it)."""
 
-    __slots__ = ("size", "filled", "_want", "_why", "_cond", "_t0", "_filled0")
+    __slots__ = ("size", "filled", "_want", "_why", "_t0", "_filled0", "_waits", "_peer")
 
     def __init__(self, size: int, filled: int = 0):
         self.size = size
@@ -58,21 +59,24 @@ class Arrival:
         self._t0, self._filled0 = time.monotonic(), filled  # for the arrival rate (ahead)
         self._want = size + 1  # what a waiter waits for: the reader wakes it only then
         self._why: str | None = None
-        self._cond = threading.Condition()
+        self._waits = Waits()
+        self._peer: int | None = None
+
+    def follow(self, waits: Waits, peer: int) -> None:
+        """Waits for this frame go through ``waits`` and end when ``peer`` (its sender) is lost."""
+        self._waits, self._peer = waits, peer
 
     def advance(self, filled: int) -> None:
         """The first ``filled`` bytes are in (the reader's thread, per read: kept cheap)."""
         self.filled = filled
         if filled >= self._want:
-            with self._cond:
-                self._cond.notify_all()
+            self._waits.wake(self)
 
     def abort(self, why: str) -> None:
         """The frame will never be whole (its sender dropped it, or the link broke)."""
-        with self._cond:
-            if self.filled < self.size:
-                self._why = why
-            self._cond.notify_all()
+        if self.filled < self.size:
+            self._why = why
+        self._waits.wake(self)
 
     def ahead(self) -> int:
         """Bytes worth waiting for past what a hop needs next: about LOOK_AHEAD_S of this
@@ -86,24 +90,27 @@ class Arrival:
 
         Raises:
             ClosedError: the frame was cut off before that.
+            PeerLost: its sender was lost meanwhile.
             Timeout: not by ``deadline`` (``time.monotonic()``).
         """
         end = min(end, self.size)
         if self.filled >= end:
             return
-        with self._cond:
-            try:
-                while self.filled < end:
-                    if self._why is not None:
-                        raise ClosedError(f"the relayed frame was cut off upstream: {self._why}")
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise Timeout(f"the relayed frame did not arrive in time ({self.filled} of "
-                                      f"{self.size} bytes came)")
-                    self._want = end
-                    self._cond.wait(left)
-            finally:
-                self._want = self.size + 1
+
+        def arrived() -> bool:
+            if self.filled >= end:
+                return True
+            if self._why is not None:
+                raise ClosedError(f"the relayed frame was cut off upstream: {self._why}")
+            return False
+
+        self._want = end
+        try:
+            self._waits.until(arrived, deadline, on=(self,), peers=() if self._peer is None else (self._peer,),
+                              what=lambda: f"the relayed frame did not arrive in time ({self.filled} of "
+                                           f"{self.size} bytes came)")
+        finally:
+            self._want = self.size + 1
 
 
 class ArrivingFrame(Frame):

@@ -30,16 +30,15 @@ from __future__ import annotations
 import importlib
 import itertools
 import mmap
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 import numpy as np
 from cffi import FFI
 
-from mq.errors import Timeout
+from mq.waits import Mailbox, Waits
 
 T = TypeVar("T")
 
@@ -133,19 +132,22 @@ class SlotTable:
     pool or a registered RDMA region is; without, the pool adds its own slots (:meth:`add`,
     shm's segments) and reuses them.
 
-    ``cond`` is the pool's lock and condition: release and peer_gone take it and wake whoever
-    waits for room (:meth:`wait_for`) or for a buffer to come back (:meth:`wait_released`).
-    ``on_released(slot)`` runs (lock held) when a slot's last holder released it.
-    ``stats`` (the pool's dict) counts ``stale_releases`` and ``waits``.
+    ``cond`` is the pool's lock: release and peer_gone take it, then wake whoever waits ``on``
+    the table (through the node's :class:`mq.waits.Waits`) for room (:meth:`wait_for`) or for a
+    buffer to come back (:meth:`wait_released`). ``on_released(slot)`` runs (lock held) when a
+    slot's last holder released it. ``stats`` (the pool's dict) counts ``stale_releases`` and
+    ``waits``.
     """
 
     def __init__(self, size: int | None = None, align: int = 256,
-                 on_released: Callable[[Slot], None] | None = None, stats: dict[str, int] | None = None):
+                 on_released: Callable[[Slot], None] | None = None, stats: dict[str, int] | None = None,
+                 waits: Waits | None = None):
         self.size = size
         self.align = align
         self.free: list[tuple[int, int]] = [(0, size)] if size is not None else []  # (offset, length)
         self.slots: dict[int, Slot] = {}
-        self.cond = threading.Condition()
+        self.cond = threading.RLock()
+        self.waits = waits or Waits()
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("stale_releases", 0)
         self.stats.setdefault("waits", 0)
@@ -182,26 +184,24 @@ class SlotTable:
         for peer in peers:
             slot.holders[peer] = slot.holders.get(peer, 0) + 1
 
-    def wait_for(self, get: Callable[[], T | None], timeout: float, full: Callable[[], str]) -> T:
-        """``get()`` until it gives something, waiting up to ``timeout`` for releases (the
-        backpressure bound); called with ``cond`` held.
+    def wait_for(self, get: Callable[[], T | None], timeout: float, full: Callable[[], str],
+                 peers: Iterable[Any] = ()) -> T:
+        """``get()`` (called with ``cond`` held) until it gives something, waiting up to
+        ``timeout`` for releases (the backpressure bound). Called without ``cond`` held.
 
         Raises:
             Timeout: with ``full()`` as its message.
+            PeerLost: one of ``peers`` (the ones the slot is for) was lost meanwhile.
         """
-        deadline = time.monotonic() + timeout
-        waited = False
-        while True:
-            got = get()
-            if got is not None:
-                return got
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Timeout(full())
-            if not waited:
-                self.stats["waits"] += 1
-                waited = True
-            self.cond.wait(min(left, 0.1))
+        def got() -> T | None:
+            with self.cond:
+                return get()
+
+        found = got()
+        if found is not None:
+            return found
+        self.stats["waits"] += 1
+        return self.waits.until(got, time.monotonic() + timeout, on=(self,), peers=peers, what=full)
 
     # ------------------------------------------------------------------ releasing
     def release(self, peer: int, slot_id: Any, count: Any = 1, gen: Any = ANY_GEN) -> bool:
@@ -220,8 +220,8 @@ class SlotTable:
             else:
                 slot.holders[peer] = held - count
             self._released(slot)
-            self.cond.notify_all()
-            return True
+        self.waits.wake(self)
+        return True
 
     def peer_gone(self, peer: int) -> None:
         """A peer left or died: whatever it held is free again."""
@@ -229,13 +229,13 @@ class SlotTable:
             for slot in list(self.slots.values()):
                 if slot.holders.pop(peer, None) is not None:
                     self._released(slot)
-            self.cond.notify_all()
+        self.waits.wake(self)
 
     def unpin(self, slot: Slot) -> None:
         with self.cond:
             slot.pinned = False
             self._released(slot)
-            self.cond.notify_all()
+        self.waits.wake(self)
 
     def _released(self, slot: Slot) -> None:
         if slot.holders:
@@ -282,17 +282,17 @@ class SlotTable:
         Raises:
             Timeout: a peer still holds it after ``timeout`` seconds.
         """
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
+        def free() -> bool:
+            with self.cond:
                 slot = slot_of()
-                if slot is None or not slot.holders:
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Timeout(f"nodes {sorted(slot.holders)} still hold views of {what} after "
-                                  f"{timeout:g}s: they must drop (or copy) what they received")
-                self.cond.wait(min(left, 0.1))
+                return slot is None or not slot.holders
+
+        def held() -> str:
+            slot = slot_of()
+            return (f"nodes {sorted(slot.holders) if slot else []} still hold views of {what} after "
+                    f"{timeout:g}s: they must drop (or copy) what they received")
+
+        self.waits.until(free, time.monotonic() + timeout, on=(self,), what=held)
 
 
 class SlotPool:
@@ -333,8 +333,8 @@ class ReleaseQueue:
     carries an event recorded on the stream of the thread that dropped it: :meth:`take` waits
     for it (the receiver's GPU work on the view is done) before the slot is handed back."""
 
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, waits: Waits | None = None) -> None:
+        self._q = Mailbox(waits or Waits())
 
     def put(self, peer: int, seg_id: Any, gen: int, event: Any = None) -> None:
         """``seg_id``: a shm segment id, or ``(tag, pool id)`` with ``gen`` the slot id."""
@@ -344,8 +344,8 @@ class ReleaseQueue:
         """Releases by peer as ``[[seg_id, gen, count], ...]`` (shm) and ``[tag, pool, slot,
         count]`` (tagged paths); waits up to ``timeout`` for one."""
         try:
-            first = self._q.get(timeout=timeout)
-        except queue.Empty:
+            first = self._q.get(timeout)
+        except TimeoutError:
             return {}
         counts: dict[tuple[int, Any, int], int] = {}
         events = []
@@ -358,7 +358,7 @@ class ReleaseQueue:
                     events.append(event)
             try:
                 item = self._q.get_nowait()
-            except queue.Empty:
+            except IndexError:
                 break
         for event in events:
             event.synchronize()
@@ -368,7 +368,7 @@ class ReleaseQueue:
         return out
 
     def wake(self) -> None:
-        self._q.put(None)  # type: ignore[arg-type]
+        self._q.put(None)
 
 
 # ---------------------------------------------------------------------- the interface

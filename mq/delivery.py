@@ -17,17 +17,18 @@ a small message's latency. They do so only while every queue a frame can go to h
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from typing import Any, Callable
 
 from mq import metrics as _metrics
+from mq import waits as _waits
 from mq.errors import ClosedError, Timeout
 from mq.lifecycle import Lifecycle
 from mq.message import Message
 from mq.queues import BoundedQueue
 from mq.transport import Transport
+from mq.waits import Waits
 
 log = logging.getLogger("mq")
 
@@ -43,22 +44,24 @@ class Delivery:
     """Where node ``node_id``'s messages go (see the module docstring).
 
     Args:
-        handler_slots: the call handlers' queue bound (:class:`mq.calls.Calls`); a thread reads
-            for itself only while one is free, so a REQ it reads never waits for handlers.
-        stalled: called while a full queue blocks the I/O thread (liveness judges nobody).
+        handler_room: whether the call handlers' queue has room (:meth:`mq.calls.Calls.has_room`);
+            a thread reads for itself only then, so a REQ it reads never waits for handlers.
+        reader_busy: entered while a full queue holds up the I/O thread (liveness judges
+            nobody silent meanwhile: their frames wait unread).
     """
 
     def __init__(self, node_id: int, transport: Transport, life: Lifecycle, metrics: _metrics.Metrics,
-                 handler_slots: threading.BoundedSemaphore, stalled: Callable[[], None], *,
+                 waits: Waits, handler_room: Callable[[], bool], reader_busy: Callable[[], Any], *,
                  queue_size: int, queue_bytes: int):
         self.node_id = node_id
         self._read_in_caller = transport.read_in_caller
         self._life = life
         self._metrics = metrics
-        self._handler_slots = handler_slots
-        self._stalled = stalled
-        self.inbox = BoundedQueue(queue_size, queue_bytes)
-        self.handler_queue = BoundedQueue(queue_size, queue_bytes)
+        self._waits = waits
+        self._handler_room = handler_room
+        self._reader_busy = reader_busy
+        self.inbox = BoundedQueue(queue_size, queue_bytes, waits)
+        self.handler_queue = BoundedQueue(queue_size, queue_bytes, waits)
         self.reading = ReadingInCaller()
         self.subscriptions: dict[str, Callable[[Message], Any] | None] = {}
         self._lock = threading.Lock()
@@ -93,18 +96,21 @@ class Delivery:
 
     def put_blocking(self, q: BoundedQueue, item: Any, nbytes: int = 0) -> None:
         # Block the I/O thread while the queue is full: the transport stops reading and the
-        # sender feels backpressure. Wake up now and then to notice stop(). While blocked we
-        # read nobody's heartbeats, so silence is nobody's fault: liveness waits.
-        if self.reading.active:
-            # A thread reading for itself, the queues not full when it started: the frames of
-            # one transport message (a batch) go in past the bound, or it would wait on itself
-            # (its inbox) or on handlers that may wait for it.
+        # sender feels backpressure. A stop ends the wait (the message is dropped: its sender
+        # learns what was not confirmed). While blocked we read nobody's heartbeats, so silence
+        # is nobody's fault: liveness waits (reader_busy).
+        if self.reading.active or (nbytes < q.BIG and len(q.items) < q.capacity) or q.room(nbytes):
+            # (A thread reading for itself, the queues not full when it started: the frames of
+            # one transport message, a batch, go in past the bound, or it would wait on itself,
+            # its inbox, or on handlers that may wait for it.)
             q.put_now(item, nbytes)
             return
-        while not q.put(item, 0.2, nbytes):
-            self._stalled()
-            if self._life.state != "listening":
-                return
+        try:
+            with self._reader_busy():
+                self._waits.until(lambda: q.room(nbytes), None, on=(q,))
+        except ClosedError:
+            return
+        q.put_now(item, nbytes)
 
     # ------------------------------------------------------------------ consuming
     def recv(self, timeout: float) -> Message:
@@ -114,12 +120,10 @@ class Delivery:
             raise ClosedError(self._life.not_listening("recv()"))
         deadline = time.monotonic() + timeout
         while True:
-            try:
+            if not inbox.empty():  # (an empty inbox is the common case here: no exception for it)
                 msg = inbox.get_nowait()
                 self._metrics.delivered(msg.topic, msg.sent_at)
                 return msg
-            except queue.Empty:
-                pass
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Timeout(f"no message within {timeout:g}s")
@@ -132,13 +136,9 @@ class Delivery:
                     read = self._read_in_caller(left, self._inbox_ready)
                 finally:
                     self.reading.active = False
-            if not read:
-                try:
-                    msg = inbox.get(timeout=left)
-                except queue.Empty:
-                    raise Timeout(f"no message within {timeout:g}s") from None
-                self._metrics.delivered(msg.topic, msg.sent_at)
-                return msg
+            if not read:  # the I/O thread reads: wait for what it puts in the inbox
+                self._waits.until(lambda: not inbox.empty(), deadline, on=(inbox,),
+                                  what=f"no message within {timeout:g}s")
 
     def read_while(self, done: Callable[[], bool], deadline: float) -> None:
         """Wait until ``done()`` or ``deadline`` reading the transport in this thread, as recv()
@@ -160,9 +160,9 @@ class Delivery:
     def _may_read(self) -> bool:
         """Whether a thread may read the transport for itself: only while every queue a frame
         can go to has room, so its reads (which never wait on a queue) keep the bounds."""
-        # (A semaphore's count, read without taking its lock: acquire() + release() per recv()
-        # cost ~3 us, and only this thread takes slots while it reads.)
-        return not (self.inbox.full() or self.handler_queue.full()) and self._handler_slots._value > 0
+        inbox, handlers = self.inbox, self.handler_queue
+        return (len(inbox.items) < inbox.capacity and len(handlers.items) < handlers.capacity
+                and self._handler_room())
 
     def _inbox_ready(self) -> bool:
         return not self.inbox.empty()
@@ -175,15 +175,16 @@ class Delivery:
         self._thread = threading.Thread(target=self._handlers_loop, daemon=True, name=f"mq{self.node_id}-handlers")
         self._thread.start()
 
-    def join(self, timeout: float) -> None:
+    def finish(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the handler thread to end (after the node stopped)."""
         if self._thread is not None:
-            self._thread.join(timeout)
+            _waits.join(self._thread, timeout)
 
     def _handlers_loop(self) -> None:
         while self._life.running or not self.handler_queue.empty():
             try:
-                fn, msg = self.handler_queue.get(timeout=0.1)
-            except queue.Empty:
+                fn, msg = self.handler_queue.get(timeout=_waits.RECHECK_S)
+            except IndexError:
                 if not self._life.running:
                     return
                 continue

@@ -66,6 +66,7 @@ class Dispatch:
         self._receipt_every = max(1, window // 4)  # a quarter of the window peers keep to us
         self.max_frame_bytes = max_frame_bytes
         self.secret = secret
+        self.waits = peers.waits  # the transport's waits (a full link, credit) go through the node's
         # Bound once: on_frame runs per message (see scripts/hotpath).
         self._decode = codec.decode
         self._peers = peers
@@ -108,7 +109,8 @@ class Dispatch:
             env = self._decode(header, buffers, self._resolve_for(link) if shared else None)
             if env.kind in _HANDSHAKE:  # a peer greeting again: held to the same schema
                 self._join.handle(env._replace(payload=_handshake.check(env.kind, env.sender, env.payload)), link)
-            elif (peer := self._admit(env, link)) is None:
+            # (admission: the frame's sender is its link's peer; checked inline, refused by _admit)
+            elif (peer := self._links.get(link)) != env.sender and (peer := self._admit(env, link)) is None:
                 pass  # refused and counted
             elif (p := self._peer_of[peer]).lost:
                 # It left (or went silent): answers to our own farewell still count; the rest
@@ -200,7 +202,7 @@ class Dispatch:
         return pool.lend(nbytes) if pool is not None else None
 
     def on_link_lost(self, peer: int, why: str) -> None:
-        if self._life.listening:
+        if self._life.state in ("listening", "stopping"):  # (stop()'s drain must hear of it too)
             self._peers.lose(peer, why)
             self._calls.link_lost(peer)  # a goodbye's promised answers cannot come any more
 

@@ -71,16 +71,21 @@ class Undelivered(MQError):
             may or may not have arrived; the others did.
     """
 
-    def __init__(self, counts: dict[int, int], waited: float):
+    def __init__(self, counts: dict[int, int], waited: float, lost: dict[int, str] | None = None):
         self.counts = dict(counts)
         self.waited = waited
-        names = ", ".join(f"node {p}: {n}" for p, n in sorted(self.counts.items()))
-        super().__init__(f"stop() waited {waited:g}s and {sum(self.counts.values())} frame(s) were never "
-                         f"confirmed ({names}); they may be lost. Give the receivers time to read "
-                         "(stop(timeout=...)), or q.flush(peer) before stopping")
+        self.lost = dict(lost or {})  # peers lost while they had frames unconfirmed: why
+        names = ", ".join(f"node {p}: {n}" + (f", which {self.lost[p]}" if p in self.lost else "")
+                          for p, n in sorted(self.counts.items()))
+        slow = [p for p in self.counts if p not in self.lost]
+        advice = (" Give the receivers time to read (stop(timeout=...)), or q.flush(peer) before stopping"
+                  if slow else "")
+        head = f"stop() waited {waited:g}s and" if slow else "stop():"
+        super().__init__(f"{head} {sum(self.counts.values())} frame(s) were never confirmed ({names}); they "
+                         f"may be lost.{advice}")
 
     def __reduce__(self):  # keep picklable for multiprocessing result passing
-        return (Undelivered, (self.counts, self.waited))
+        return (Undelivered, (self.counts, self.waited, self.lost))
 
 
 class StreamError(MQError):

@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from typing import Any, Callable
@@ -94,8 +93,10 @@ from mq.cut_through import Arrival, ArrivingFrame
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
 from mq.lifecycle import Lifecycle
 from mq.peers import PeerTable
+from mq.queues import BoundedQueue
 from mq.sender import Sender
 from mq.stats import Refusals
+from mq.waits import Flag, Waits
 
 log = logging.getLogger("mq.fanout")
 
@@ -197,7 +198,8 @@ class Fanout:
         ping: ``ping(peer, want=True, timeout=)`` asks a peer for its receipt (liveness).
         deliver: ``deliver(topic, payload, origin, sent_at, nbytes, queued_bytes)`` puts a
             message in this node's queues (:meth:`mq.delivery.Delivery.deliver`).
-        stalled: called while a full job queue blocks the I/O thread (liveness judges nobody).
+        reader_busy: entered while a full job queue holds up the I/O thread (liveness judges
+            nobody silent meanwhile).
         min_bytes: frames with fewer inline bytes are never relayed; None turns relaying off.
         shape: ``auto``, ``tree``, ``star`` or ``chain`` (see the module docstring).
         keeps_tensors: the transport moves tensors itself (torch RPC): never relay.
@@ -206,7 +208,7 @@ class Fanout:
 
     def __init__(self, node_id: int, peers: PeerTable, sender: Sender, codec: Codec, refusals: Refusals,
                  life: Lifecycle, *, ping: Callable[..., None],
-                 deliver: Callable[[str, Any, int, float, int, int], None], stalled: Callable[[], None],
+                 deliver: Callable[[str, Any, int, float, int, int], None], reader_busy: Callable[[], Any],
                  min_bytes: int | None = DEFAULT_RELAY_MIN_BYTES, shape: str = "auto",
                  keeps_tensors: bool = False, timeout: float = 30.0,
                  streams_to: Callable[[int], bool] = lambda _peer: False):
@@ -219,7 +221,8 @@ class Fanout:
         self._life = life
         self._ping = ping
         self._deliver = deliver
-        self._stalled = stalled
+        self._reader_busy = reader_busy
+        self._waits = peers.waits
         self._keeps_tensors = keeps_tensors
         self._timeout = timeout
         self._streams_to = streams_to
@@ -227,12 +230,12 @@ class Fanout:
         self._ids = itertools.count(1)
         self._acks: dict[tuple[int, int], dict[int, tuple[str, str]] | None] = {}
         self._unreachable: set[tuple[int, int]] = set()  # (relay, node) it said it cannot reach
-        self._jobs: queue.Queue = queue.Queue(_JOBS)
+        self._jobs = BoundedQueue(_JOBS, waits=peers.waits)
         self._worker: threading.Thread | None = None
         # Hops sent while their frame arrives (mq.cut_through): (upstream, its hop id) -> _Stream,
         # from the frame's header until the whole frame is here; the jobs of the thread sending them.
         self._streaming: dict[tuple[int, int], _Stream] = {}
-        self._stream_jobs: queue.Queue = queue.Queue(_JOBS)
+        self._stream_jobs = BoundedQueue(_JOBS, waits=peers.waits)
         self._streamer: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -482,17 +485,18 @@ class Fanout:
         if not plan:
             return
         key = (sender, meta["id"])
-        stream = _Stream(plan)
+        stream = _Stream(plan, self._waits)
         sent_at = meta.get("at") if isinstance(meta.get("at"), float) else header[9]
-        job = (key, stream, watch(), body_at, topic, payload_tree, buffers, meta["o"], sent_at,
+        arrival = watch()
+        arrival.follow(self._waits, sender)  # a hop waiting for its bytes ends if the sender is lost
+        job = (key, stream, arrival, body_at, topic, payload_tree, buffers, meta["o"], sent_at,
                self._deadline(meta))
         with self._lock:
             if key in self._streaming:
                 return  # a hop id seen again: left to on_frame
-            try:
-                self._stream_jobs.put_nowait(job)
-            except queue.Full:
+            if not self._stream_jobs.room():
                 return  # forwarded once whole, as before
+            self._stream_jobs.put_now(job)
             self._streaming[key] = stream
         self._start("_streamer", self._stream_work, "stream")
 
@@ -517,14 +521,13 @@ class Fanout:
         return peer != self.node_id and p is not None and not p.lost and self._streams_to(peer)
 
     def _queue(self, job: tuple[Any, ...]) -> None:
-        while True:  # a full job queue stops this I/O thread: backpressure on the sender
+        if not self._jobs.room():  # a full job queue stops this I/O thread: backpressure on the sender
             try:
-                self._jobs.put(job, timeout=0.2)
-                break
-            except queue.Full:
-                self._stalled()
-                if not self._life.listening:
-                    return
+                with self._reader_busy():
+                    self._waits.until(self._jobs.room, None, on=(self._jobs,))
+            except ClosedError:
+                return
+        self._jobs.put_now(job)
         self._start("_worker", self._work, "relay")
 
     def _on_ack(self, sender: int, meta: dict[str, Any]) -> None:
@@ -544,7 +547,7 @@ class Fanout:
                 if cause == "skipped":
                     self._unreachable.add((sender, i))
             self.stats["acks"] += 1
-            self._peers.changed.notify_all()
+        self._waits.wake(self._peers)
 
     def _send_ack(self, peer: int, hop: int, failed: _Failed) -> None:
         meta = {"ack": hop, "failed": {i: list(v) for i, v in failed.items()}}
@@ -568,8 +571,8 @@ class Fanout:
         the hops sent while they arrived, then ack upstream."""
         while self._life.running:
             try:
-                upstream, hop, topic, payload, origin, sent_at, plan, deadline, stream = self._jobs.get(timeout=0.5)
-            except queue.Empty:
+                upstream, hop, topic, payload, origin, sent_at, plan, deadline, stream = self._jobs.get(0.5)
+            except IndexError:
                 continue
             failed = _Failed()
             try:
@@ -592,8 +595,8 @@ class Fanout:
         while self._life.running:
             try:
                 key, stream, arrival, body_at, topic, tree, buffers, origin, sent_at, deadline = \
-                    self._stream_jobs.get(timeout=0.5)
-            except queue.Empty:
+                    self._stream_jobs.get(0.5)
+            except IndexError:
                 continue
             try:
                 stream.hop, stream.waiting, failed = self._send_hop(
@@ -629,12 +632,12 @@ class _Stream:
 
     __slots__ = ("plan", "hop", "waiting", "failed", "done")
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, waits: Waits):
         self.plan = plan
         self.hop = 0
         self.waiting: list[tuple[int, list[int]]] = []
         self.failed = _Failed()
-        self.done = threading.Event()
+        self.done = Flag(waits)
 
 
 def _entry_peer(entry: Any) -> int:

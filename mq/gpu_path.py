@@ -31,6 +31,7 @@ from mq.datapath import DataPath, cuda_buffers
 from mq.errors import ConfigError, MQError, ProtocolError
 from mq.options import check_int
 from mq.peers import Peer, PeerTable
+from mq.waits import Waits
 
 log = logging.getLogger("mq")
 
@@ -75,7 +76,8 @@ class GpuPath(DataPath):
         self.pools: dict[int, cuda_ipc.DevicePool] = {}  # device index -> our pool there
         self._verdicts: dict[tuple[int, int], str | None] = {}  # (peer, pool id) -> None (open) or why not
         self._asked: dict[tuple[int, int], float] = {}  # offers awaiting a verdict -> when sent
-        self._cond = threading.Condition()
+        self._cond = threading.RLock()  # verdicts; waits for them go through the node's waits
+        self._waits = getattr(peers, "waits", None) or Waits()  # (stub peers in tests have none)
         self._closed = False
         self.stats = {"offers": 0, "verdicts_ok": 0, "verdicts_failed": 0, "staged_frames": 0}
 
@@ -156,7 +158,8 @@ class GpuPath(DataPath):
                 why = cuda_ipc.available()
                 if why:
                     raise OSError(why)
-                pool = self.pools[device] = cuda_ipc.DevicePool(device, self.pool_bytes, self.incarnation)
+                pool = self.pools[device] = cuda_ipc.DevicePool(device, self.pool_bytes, self.incarnation,
+                                                                waits=self._waits)
             except (OSError, cuda_ipc.CudaError, MQError, RuntimeError) as exc:
                 self.unavailable = f"cannot make a CUDA pool on cuda:{device} ({exc})"
                 log.warning("node %d: %s; GPU tensors are staged through host memory",
@@ -195,12 +198,11 @@ class GpuPath(DataPath):
                 log.debug("node %d: CUDA pool offer to node %d: %s", self.node_id, peer, exc)
                 return False
         until = min(deadline, self._asked.get(key, time.monotonic()) + VERDICT_WAIT_S)
+        try:
+            self._waits.until(lambda: key in self._verdicts or self._closed, until, on=(self,), peers=(peer,))
+        except MQError:  # no verdict in time (or the peer is gone): this frame is staged
+            return False
         with self._cond:
-            while key not in self._verdicts and not self._closed:
-                left = until - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.1))
             return self._verdicts.get(key, "closed") is None
 
     def _note_staged(self, peers: list[int], why: str) -> None:
@@ -210,7 +212,7 @@ class GpuPath(DataPath):
                 p = self._peers.get(peer)
                 if p is not None:
                     peer_route.stage_gpu(p, why)
-            self._peers.changed.notify_all()
+        self._waits.wake(self._peers)
 
     def _note(self, peers: list[int], text: str) -> None:
         """Add ``text`` to the route's reason of ``peers`` (once)."""
@@ -230,7 +232,7 @@ class GpuPath(DataPath):
                 raise ProtocolError(f"node {peer}: a CUDA pool verdict's error must be text")
             self._verdicts[key] = error
             del self._asked[key]
-            self._cond.notify_all()
+        self._waits.wake(self)
         if error is None:
             self.stats["verdicts_ok"] += 1
             log.debug("node %d: node %d opened CUDA pool %s in %.1f ms", self.node_id, peer, pool_id,
@@ -328,7 +330,7 @@ class GpuPath(DataPath):
             for key in [k for k in (*self._verdicts, *self._asked) if k[0] == peer.node_id]:
                 self._verdicts.pop(key, None)
                 self._asked.pop(key, None)
-            self._cond.notify_all()
+        self._waits.wake(self)
         reader = peer.readers.get(self.tag)
         if reader is not None:
             live = reader.live_views()
@@ -374,7 +376,7 @@ class GpuPath(DataPath):
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+        self._waits.wake(self)
         for pool in list(self.pools.values()):
             pool.close()
         for reader in self._readers():

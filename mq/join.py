@@ -15,7 +15,6 @@ to each peer is chosen by :func:`mq.peer_route.choose` here, with a probe of its
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -33,13 +32,18 @@ from mq.peers import DEFAULT_WINDOW, Peer, PeerTable
 from mq.sender import Sender
 from mq.stats import Refusals
 from mq.transport import Transport
+from mq.waits import Mailbox
 
 log = logging.getLogger("mq")
 
-# A greeting nobody answered is sent again after this long.
+# A greeting nobody answered is sent again after this long. The earlier ones stay valid until
+# the join's timeout: on a loaded machine an answer may come after the next greeting went out,
+# and refusing it (then closing the link it came on) made joins fail for good (issue 45).
 REGREET_S = 3.0
 # Joins in progress (HELLO answered, LINK not yet) kept at once; the oldest go first.
 MAX_PENDING = 64
+# HELLOs of one joining node answered and awaiting its LINK (it greets again every REGREET_S).
+MAX_ANSWERS = 8
 
 
 class Join:
@@ -70,12 +74,15 @@ class Join:
         self._timeout = timeout
         self._required = required  # require_route=, normalised (mq.node_options.required_routes)
         self.greetings: dict[str, tuple[bytes, Any, float]] = {}  # token -> (our nonce, target, when)
+        self._refused_by: dict[str, str] = {}  # target -> why its answer was refused (auth, id)
         self._refusals_sent: dict[int, float] = {}  # node id -> when we last told a duplicate of it
-        self._pending: dict[tuple[int, str], tuple[bytes, Peer, float]] = {}  # joins awaiting LINK
+        # joins awaiting LINK, by (node id, incarnation): each HELLO of it answered (our nonce, the
+        # peer it describes, when); its LINK proves one of them
+        self._pending: dict[tuple[int, str], list[tuple[bytes, Peer, float]]] = {}
         self.lock = threading.RLock()  # greetings, pending joins, refusals told
-        self._answers: collections.deque[tuple[int, dict[str, Any], Peer, dict[str, Any]]] = collections.deque()
-        self._answers_changed = threading.Condition()
+        self._answers = Mailbox(peers.waits)  # HELLOs the joins thread answers
         self._joiner: threading.Thread | None = None  # answers HELLOs when connect may block
+        self._joiner_lock = threading.Lock()
 
     # ------------------------------------------------------------------ greeting
     def hello_payload(self, token: str, nonce: bytes) -> dict[str, Any]:
@@ -129,7 +136,11 @@ class Join:
         with self.lock:
             if len(self._pending) >= MAX_PENDING:  # a join flood must not grow without bound
                 self._drop_pending(next(iter(self._pending)), "too many joins in progress")
-            self._pending[(peer_id, info["incarnation"])] = (nonce, peer, time.monotonic())
+            entries = self._pending.setdefault((peer_id, info["incarnation"]), [])
+            entries.append((nonce, peer, time.monotonic()))
+            if len(entries) > MAX_ANSWERS:  # greetings of one node: the newest few stay provable
+                for reader in entries.pop(0)[1].readers.values():
+                    reader.close()
         if self._transport.connect_may_block:
             self._answer_later((peer_id, info, peer, ack))
         else:
@@ -147,24 +158,22 @@ class Join:
         """Answer a HELLO from the joins thread: the transport's connect may block (a tcp link
         to a port that drops SYNs), and a HELLO proves nothing yet, so a stranger's forged ones
         must not hold up the I/O thread. At most MAX_PENDING wait; the oldest goes first."""
-        with self._answers_changed:
+        with self._joiner_lock:
             if len(self._answers) >= MAX_PENDING:
-                dropped = self._answers.popleft()
+                dropped = self._answers.get_nowait()
                 self._refusals.reject("pending_overflow", f"too many joins to answer: node {dropped[0]}'s waits")
-            self._answers.append(answer)
+            self._answers.put(answer)
             if self._joiner is None:
                 self._joiner = threading.Thread(target=self._joins_loop, daemon=True,
                                                 name=f"mq{self.node_id}-joins")
                 self._joiner.start()
-            self._answers_changed.notify()
 
     def _joins_loop(self) -> None:
         while self._life.listening:
-            with self._answers_changed:
-                if not self._answers:
-                    self._answers_changed.wait(0.5)
-                    continue
-                peer_id, info, peer, ack = self._answers.popleft()
+            try:
+                peer_id, info, peer, ack = self._answers.get(0.5)
+            except (TimeoutError, IndexError):
+                continue
             with self.lock:
                 waiting = (peer_id, info["incarnation"]) in self._pending
             if waiting:  # not dropped meanwhile (timed out, or pushed out by a flood)
@@ -172,11 +181,12 @@ class Join:
 
     def _drop_pending(self, key: tuple[int, str], why: str) -> None:
         """Forget a join that never completed (called with the lock held)."""
-        entry = self._pending.pop(key, None)
-        if entry is None:
+        entries = self._pending.pop(key, None)
+        if not entries:
             return
-        for reader in entry[1].readers.values():
-            reader.close()
+        for _nonce, peer, _t in entries:
+            for reader in peer.readers.values():
+                reader.close()
         live = self._peers.get(key[0])
         if live is None or live.lost:  # nobody else uses that id's link: close it
             threading.Thread(target=self._transport.disconnect, args=(key[0],), daemon=True).start()
@@ -221,11 +231,16 @@ class Join:
         with self.lock:
             greeting = self.greetings.get(info["token"])
         if greeting is None:
+            live = self._peers.get(peer_id)
+            if live is not None and not live.lost and self._peers.links.get(link) == peer_id \
+                    and live.info.get("incarnation") == info["incarnation"]:
+                return  # a late answer to an earlier greeting of a peer that joined meanwhile
             raise _handshake.Refused("unsolicited_ack", f"a HELLO_ACK claiming node {peer_id} answers "
                                      "no HELLO of ours")
-        mine = greeting[0]
+        mine, target = greeting[0], greeting[1]
         if self._secret is not None and not self._secret.check(
                 info["proof"], "ack", info["nonce"], mine, peer_id, self.node_id, info["incarnation"]):
+            self._refused_by[str(target)] = f"its answer (node {peer_id}) failed authentication: a different job secret?"
             raise _handshake.Refused("bad_proof", f"a HELLO_ACK claiming node {peer_id} failed "
                                      "authentication (wrong job secret, or not a member of this job)")
         if info["error"]:  # a member refused us, and said why: the next wait raises it
@@ -233,8 +248,9 @@ class Join:
             self._peers.refused(refusal)
             log.error("node %d: %s", self.node_id, refusal)
             raise _handshake.Refused("refused", str(refusal))
-        with self.lock:
-            self.greetings.pop(info["token"], None)
+        with self.lock:  # answered: no greeting of that target is needed any more
+            for token in [t for t, (_n, where, _w) in self.greetings.items() if where == target]:
+                del self.greetings[token]
         old = self._peers.get(peer_id)
         same = old is not None and not old.lost and old.info.get("incarnation") == info["incarnation"]
         taken = None if same else self._taken(peer_id, info)
@@ -260,18 +276,24 @@ class Join:
         msg = env.payload
         peer_id = env.sender
         with self.lock:
-            entry = self._pending.get((peer_id, msg["incarnation"]))
-        if entry is None:
+            entries = list(self._pending.get((peer_id, msg["incarnation"]), ()))
+        if not entries:
             if self._peers.links.get(link) != peer_id:
                 raise _handshake.Refused("unsolicited_link", f"a LINK claiming node {peer_id} answers "
                                          "no join in progress")
             self._on_link_verdict(peer_id, msg["read_ok"])  # a second handshake on a live link
             return
-        mine, peer, _t = entry
-        if self._secret is not None and not self._secret.check(
-                msg["proof"], "link", peer.info["nonce"], mine, peer_id, self.node_id, msg["incarnation"]):
+        # It proves one of the HELLOs we answered (it greeted again while our answer was slow).
+        proven = [peer for mine, peer, _t in entries if self._secret is None or self._secret.check(
+            msg["proof"], "link", peer.info["nonce"], mine, peer_id, self.node_id, msg["incarnation"])]
+        if not proven:
             raise _handshake.Refused("bad_proof", f"a LINK claiming node {peer_id} failed authentication "
                                      "(wrong job secret, or not a member of this job)")
+        peer = proven[0]
+        for _mine, other, _t in entries:  # the answers not taken: their pools opened here go
+            if other is not peer:
+                for reader in other.readers.values():
+                    reader.close()
         with self.lock:
             self._pending.pop((peer_id, msg["incarnation"]), None)
         taken = self._taken(peer_id, peer.info)
@@ -282,6 +304,9 @@ class Join:
         old = self._peers.get(peer_id)
         if old is None or old.lost or old.info.get("incarnation") != peer.info.get("incarnation"):
             self._joined(peer)
+        else:  # it joined already (a greeting answered twice): keep the first, close this one's memory
+            for reader in peer.readers.values():
+                reader.close()
         self._on_link_verdict(peer_id, msg["read_ok"])
 
     def _joined(self, peer: Peer) -> None:
@@ -351,21 +376,32 @@ class Join:
             else:  # it cannot read ours: sockets both ways
                 peer_route.refused_our_pool(peer, self._transport.routes)
                 peer_route.enforce(peer, self._required)
-            self._peers.changed.notify_all()
+        self._peers.waits.wake(self._peers)
 
     # ------------------------------------------------------------------ housekeeping
     def expire(self, now: float) -> None:
         """Forget joins that never finished; greet again whoever did not answer (heartbeat tick)."""
         with self.lock:
-            for key, (_n, _peer, t) in list(self._pending.items()):
-                if now - t > self._timeout:
+            for key, entries in list(self._pending.items()):
+                if now - entries[-1][2] > self._timeout:
+                    live = self._peers.get(key[0])
+                    if live is not None and not live.lost and live.info.get("incarnation") == key[1]:
+                        self._pending.pop(key)  # it joined through another of its greetings
+                        for _nonce, peer, _t in entries:
+                            for reader in peer.readers.values():
+                                reader.close()
+                        continue
                     self._drop_pending(key, f"no LINK within {self._timeout:g}s")
             # Greet again whoever did not answer: it may have refused us while an earlier
-            # process of our node id still looked alive to it, or started after us.
-            stale = [(tok, target) for tok, (_n, target, t) in self.greetings.items() if now - t > REGREET_S]
-            for token, _target in stale:
-                del self.greetings[token]
-        for _token, target in stale:
+            # process of our node id still looked alive to it, or started after us. Earlier
+            # greetings stay valid (a slow answer still counts) until the join's timeout.
+            newest: dict[Any, float] = {}
+            for token, (_n, target, t) in list(self.greetings.items()):
+                newest[target] = max(newest.get(target, t), t)
+                if now - t > max(self._timeout, REGREET_S):
+                    del self.greetings[token]
+            stale = [target for target, t in newest.items() if now - t > REGREET_S]
+        for target in stale:
             try:
                 self.greet(target)
             except (MQError, OSError) as exc:
@@ -376,11 +412,28 @@ class Join:
             return len(self._pending)
 
     def unanswered(self) -> str:
-        """Which of our greetings nobody answered: the addresses to check."""
+        """Where each join of ours stopped, for a join that timed out: per greeted address the
+        stage (connect, handshake, auth), and the nodes that began to join us but never proved
+        themselves (no LINK)."""
         with self.lock:
-            targets = sorted({str(t) for _n, t, _w in self.greetings.values()})
+            newest: dict[str, str] = {}
+            for token, (_n, target, when) in sorted(self.greetings.items(), key=lambda e: e[1][2]):
+                newest[str(target)] = token
+            half = sorted(key[0] for key in self._pending)
+            refused_by = dict(self._refused_by)
+        stages = []
+        for target, token in sorted(newest.items()):
+            if target in refused_by:
+                stages.append(f"{target}: stage auth ({refused_by[target]})")
+            elif self._transport.greeting_connected(token) is False:
+                stages.append(f"{target}: stage connect (no connection: is a node listening there? a firewall?)")
+            else:
+                stages.append(f"{target}: stage handshake (our HELLO got no answer: a node that is busy, "
+                              "another job's, or not an mq node)")
+        text = f"; {'; '.join(stages)}" if stages else ""
+        if half:
+            text += (f"; nodes {half} greeted us but never proved themselves (stage auth: no LINK; a "
+                     "different job secret?)")
         refused = {k: v for k, v in self._refusals.stats.rejected.items()
                    if k in ("refused", "bad_proof", "duplicate_id")}
-        text = f"; no answer from {', '.join(targets)} (is a node listening there, with the same job secret?)" \
-            if targets else ""
         return text + (f"; refused: {refused}" if refused else "")

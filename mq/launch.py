@@ -41,6 +41,7 @@ import traceback
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
+from mq import waits
 from mq import platforms
 from mq.backend import Backend, LaunchProfile, LocalJob
 from mq.errors import ConfigError, MQError, Timeout
@@ -509,7 +510,8 @@ def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
                        if k in forksafe.FORK_SAFE_ENV})
     _pass_job_secret(plan)
     ctx = mp.get_context("spawn")
-    reports = ctx.SimpleQueue()  # worker -> launcher: the abort that stopped it
+    # worker -> launcher: the abort that stopped it (a pipe read without waiting: never blocks)
+    reports, report_to = ctx.Pipe(duplex=False)
     announce = ctx.Array("c", 4096)  # launcher -> workers: a failure they must tell the job about
     procs: dict[int, Any] = {}
     # SIGTERM (scancel, kubelet) stops the workers gracefully instead of killing the launcher
@@ -518,8 +520,8 @@ def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
         try:
             for i, n in enumerate(plan.node_ids):
                 if i and plan.startup_interval:
-                    time.sleep(plan.startup_interval)
-                p = ctx.Process(target=_worker, args=(plan, n, reports, announce), name=f"mq-node-{n}",
+                    waits.sleep(plan.startup_interval)
+                p = ctx.Process(target=_worker, args=(plan, n, report_to, announce), name=f"mq-node-{n}",
                                 daemon=False)
                 p.start()
                 procs[n] = p
@@ -570,8 +572,8 @@ def _supervise(plan: Plan, procs: dict[int, Any], deadline_s: float | None, repo
                 _announce(plan, procs, announce, {"node": n, "host": plan.hosts.get(n) or socket.gethostname(),
                                                   "error": f"its process exited with {_describe_exit(code)}"})
             _stop_all(procs)
-            while not reports.empty():  # an aborted worker reported why before it exited
-                report = reports.get()
+            while reports.poll(0):  # an aborted worker reported why before it exited
+                report = reports.recv()
                 aborted_by = aborted_by or report
             stopped = (0, None, EXIT_ABORTED, -signal.SIGKILL, *_STOPPED_BY)
             for n, p in procs.items():  # the ones we had to stop are not failures of their own
@@ -580,7 +582,7 @@ def _supervise(plan: Plan, procs: dict[int, Any], deadline_s: float | None, repo
             return failures, None if failures else (aborted_by or {"error": "another node failed"})
         if not running:
             return failures, None
-        time.sleep(0.05)
+        waits.sleep(0.05)  # (children's exits are polled: nothing wakes this thread)
 
 
 def _announce(plan: Plan, procs: dict[int, Any], announce: Any, info: dict[str, Any]) -> None:
@@ -689,7 +691,7 @@ def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
     state.stopping = True
     if state.aborted_by is not None and state.tell_peers is None:
         code = EXIT_ABORTED
-        reports.put(state.aborted_by)
+        reports.send(state.aborted_by)
         sys.stderr.write(f"mq: node {node_id} stopped: {describe_abort(state.aborted_by)}\n")
     _finish(q, state, node_id, code)
 
@@ -748,7 +750,7 @@ def _finish(q: Any, state: _WorkerState, node_id: int, code: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
     stopper = threading.Thread(target=stop, daemon=True, name=f"mq{node_id}-stop")
     stopper.start()
-    stopper.join(ABORT_S + STOP_S + 1.0)
+    waits.join(stopper, ABORT_S + STOP_S + 1.0)
     # The user's atexit hooks (checkpoints, TensorBoard writers) still run; what os._exit skips
     # is the interpreter's join of non-daemon threads, which a stuck handler would hang forever.
     try:

@@ -25,8 +25,14 @@ from mq.errors import MQError, PeerLost
 from mq.lifecycle import Lifecycle
 from mq.peers import PeerTable
 from mq.sender import Sender
+from mq import waits
+from mq.waits import LIVE_OR_STOPPING, Flag
 
 log = logging.getLogger("mq")
+
+#: A peer lost while stop() waits for its answer to our goodbye: its answer, sent just before its
+#: link closed, may still be on its way on the other link of the pair; it gets this long.
+ANSWER_GRACE_S = 0.25
 
 
 class Liveness:
@@ -49,7 +55,8 @@ class Liveness:
         self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
         self._busy = 0  # readers working on one frame for a while (reader_busy)
         self._busy_lock = threading.Lock()
-        self._receipts_due = threading.Event()  # wakes the heartbeat thread to send receipts
+        self._waits = peers.waits
+        self._receipts_due = Flag(self._waits)  # wakes the heartbeat thread to send receipts
 
     def stalled(self) -> None:
         """Our reader is blocked (a full queue): frames wait unread, so silence proves nothing."""
@@ -62,6 +69,7 @@ class Liveness:
         the frames that waited had time to be read. The work must bound itself (a pull does)."""
         with self._busy_lock:
             self._busy += 1
+        self._waits.wake_all()  # a stalled reader: every wait looks again
         try:
             yield
         finally:
@@ -121,6 +129,7 @@ class Liveness:
         """Block until the (joined) ``peer`` confirmed every counted frame sent to it so far."""
         p = self._peers.by_id[peer]
         target = p.tx
+        deadline = time.monotonic() + timeout
         self.ping(peer, want=True, timeout=timeout)
 
         def done() -> bool:
@@ -131,8 +140,8 @@ class Liveness:
                                f"{target} frames sent to it")
             return False
 
-        self._peers.wait(done, timeout, lambda: f"node {peer} confirmed {p.acked} of {target} frames "
-                                                f"within {timeout:g}s")
+        self._waits.until(done, deadline, on=(p,), what=lambda: f"node {peer} confirmed {p.acked} of "
+                                                           f"{target} frames within {timeout:g}s")
 
     def farewell(self, deadline: float) -> dict[int, int]:
         """Tell every live peer we leave (BYE, with our receipt) and wait until ``deadline``
@@ -153,12 +162,21 @@ class Liveness:
                     waiting[peer] = fut
                 except Exception as exc:  # a dead (or full) peer must not delay our stop
                     log.debug("node %d: no farewell to node %d: %s", self.node_id, peer, exc)
+
+            def settled() -> bool:  # every answer in, or its peer lost meanwhile (a moment ago: an
+                # answer sent just before its link closed may still be on the other link of the pair)
+                now = time.monotonic()
+                return all(fut.done() or ((p := self._peers.by_id[peer]).lost and now - p.lost_at > ANSWER_GRACE_S)
+                           for peer, fut in waiting.items())
+
+            try:
+                self._waits.until(settled, deadline, on=tuple(waiting.values()), states=LIVE_OR_STOPPING)
+            except MQError:
+                pass  # out of time: the peers that did not answer are reported below
             for peer, fut in waiting.items():
-                try:
-                    self.on_receipt(peer, fut.result(timeout=max(0.0, deadline - time.monotonic())))
+                if fut.done() and fut.exception() is None:
+                    self.on_receipt(peer, waits.result(fut, 0))
                     answered.add(peer)
-                except Exception:
-                    pass
         unconfirmed = {}
         for peer in live:
             p = self._peers.by_id[peer]
@@ -172,7 +190,9 @@ class Liveness:
         peers lost, and call ``housekeeping(now)`` (the join's expiries) every tick."""
         tick = min(self.heartbeat, 0.5)
         last = time.monotonic()
-        while self._life.listening:
+        # Also while stopping: stop()'s drain waits for peers' answers, and a peer that froze
+        # meanwhile must be judged silent (and the drain end) within peer_timeout.
+        while self._life.state in ("listening", "stopping"):
             if self._receipts_due.wait(max(0.0, last + tick - time.monotonic())):
                 self._receipts_due.clear()
                 self._send_due_receipts()

@@ -18,9 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mq.errors import ClosedError, ConfigError, PeerLost, Timeout
+from mq.errors import ConfigError, PeerLost
 from mq.lifecycle import Lifecycle
 from mq.routing import Route
+from mq.waits import LIVE_OR_STOPPING, Waits
 
 log = logging.getLogger("mq")
 
@@ -41,6 +42,7 @@ class Peer:
     route: Route | None = None
     info: dict[str, Any] = field(default_factory=dict)  # its HELLO (addresses, locality, ...)
     lost: str | None = None  # why the peer is gone (None while it is alive)
+    lost_at: float = 0.0  # when (time.monotonic()) it was found gone
     route_error: str | None = None  # its route is not one require_route= allows: sends raise this
     # Its memory opened here, per data path (by descriptor tag; mq.datapath): we receive by
     # descriptor only into these (shm: mq.shm.PoolReader under None; nvlink: mq.cuda_ipc.PeerPools).
@@ -68,17 +70,19 @@ class PeerTable:
     """The peers of node ``node_id`` (see the module docstring).
 
     ``by_id`` and ``links`` are plain dicts, read without the lock on the hot path (a dict read
-    is atomic); they change only under ``changed``.
+    is atomic); they change only under ``changed`` (a lock: waits go through ``waits``).
     """
 
-    def __init__(self, node_id: int, life: Lifecycle, own_domain: str | None):
+    def __init__(self, node_id: int, life: Lifecycle, own_domain: str | None, waits: Waits | None = None):
         self.node_id = node_id
         self._own_domain = own_domain
         self._life = life
+        self.waits = waits = waits or Waits(lambda: life.state)
         self.by_id: dict[int, Peer] = {}
         self.get = self.by_id.get
+        waits.lookup = self.get  # a wait's peers are looked up here
         self.links: dict[Any, int] = {}  # authenticated link -> its peer's node id
-        self.changed = threading.Condition()
+        self.changed = threading.RLock()
         self.refusal: ConfigError | None = None  # a member refused our join, and said why
         self._lost_hooks: list[Callable[[Peer, str], None]] = []
 
@@ -122,7 +126,7 @@ class PeerTable:
             if replaced:
                 log.warning("node %d: node %d rejoined as a new process", self.node_id, peer.node_id)
             self.by_id[peer.node_id] = peer
-            self.changed.notify_all()
+        self.waits.wake(self)
         log.debug("node %d: peer %d joined via %s", self.node_id, peer.node_id, peer.route)
         return old if replaced else None
 
@@ -140,70 +144,59 @@ class PeerTable:
             if unacked > 0:  # never counted as delivered: the sender learns it here
                 why = f"{why}; {unacked} frame(s) sent to it were never acknowledged"
             peer.lost = why
-            self.changed.notify_all()
+            peer.lost_at = time.monotonic()
+        self.waits.wake_all()
         log.info("node %d: peer %d lost: %s", self.node_id, node_id, why)
         for hook in self._lost_hooks:
             hook(peer, why)
 
     def wake(self) -> None:
         """Wake every wait (the node stopped: they raise ClosedError)."""
-        with self.changed:
-            self.changed.notify_all()
+        self.waits.wake_all()
 
     def refused(self, error: ConfigError) -> None:
         """A member refused our join: the next wait raises ``error``."""
-        with self.changed:
-            self.refusal = error
-            self.changed.notify_all()
+        self.refusal = error
+        self.waits.wake(self)
 
     def set_subscriptions(self, peer_id: int, topics: Any) -> None:
         with self.changed:
             peer = self.by_id.get(peer_id)
             if peer is not None:
                 peer.subscriptions = frozenset(t for t in topics if isinstance(t, str))
-                self.changed.notify_all()
+        self.waits.wake(self)
 
     def receipt(self, peer_id: int, rx: Any) -> None:
         """``peer_id`` confirmed it received ``rx`` of our counted frames. More than we count
         as sent (a frame whose send failed after it left) confirms all of them."""
         with self.changed:
             peer = self.by_id.get(peer_id)
-            if peer is not None and type(rx) is int and peer.acked < rx:
-                peer.acked = min(rx, peer.tx)
-                self.changed.notify_all()
+            if peer is None or type(rx) is not int or peer.acked >= rx:
+                return
+            peer.acked = min(rx, peer.tx)
+        self.waits.wake(peer)
+        self.waits.wake(self)  # (a fan-out waits on several peers' receipts: on the table)
 
     # ------------------------------------------------------------------ waiting
     def wait(self, ready: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
-        """Until ``ready()`` (checked whenever the table changes), or Timeout saying ``what()``.
+        """Until ``ready()`` (looked at whenever the table changes), or Timeout saying ``what()``.
         Raises a member's refusal of our join, and ClosedError once the node stops."""
-        deadline = time.monotonic() + timeout
-        with self.changed:
-            while not ready():
-                if self.refusal is not None:
-                    raise self.refusal
-                if not self._life.listening:
-                    raise ClosedError("the queue is not listening")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Timeout(what())
-                self.changed.wait(min(left, 0.5))
+        def refused_or_ready() -> bool:
+            if self.refusal is not None:
+                raise self.refusal
+            return ready()
+
+        self.waits.until(refused_or_ready, time.monotonic() + timeout, on=(self,), what=what)
 
     def wait_in_flight(self, peer: Peer, deadline: float) -> None:
         """Until fewer than ``peer.window`` of our counted frames are in flight to ``peer``
         unconfirmed (flow control: its receipts open the window again). Raises PeerLost when
         it is gone, Timeout at ``deadline`` (nothing was sent)."""
-        with self.changed:
-            while peer.tx - peer.acked >= peer.window:
-                if peer.lost:
-                    raise PeerLost(f"node {peer.node_id} {peer.lost}")
-                if self._life.state not in ("listening", "stopping"):
-                    raise ClosedError("the queue was stopped while a send waited")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Timeout(f"node {peer.node_id} did not confirm the last {peer.tx - peer.acked} "
-                                  "messages sent to it in time: it reads slowly (its receive queue, "
-                                  f"{peer.window} messages, is full) or is stuck; pass timeout= to wait longer")
-                self.changed.wait(min(left, 0.5))
+        self.waits.until(lambda: peer.tx - peer.acked < peer.window, deadline, on=(peer,), peers=(peer,),
+                         states=LIVE_OR_STOPPING,
+                         what=lambda: f"node {peer.node_id} did not confirm the last {peer.tx - peer.acked} "
+                         "messages sent to it in time: it reads slowly (its receive queue, "
+                         f"{peer.window} messages, is full) or is stuck; pass timeout= to wait longer")
 
     def wait_peer(self, peer: int, timeout: float, unanswered: Callable[[], str]) -> None:
         """Until ``peer`` joined; PeerLost when it is gone, ConfigError for a bad id."""

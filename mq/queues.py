@@ -2,94 +2,99 @@
 
 :class:`BoundedQueue` owns nothing but its items and its two bounds (messages, bytes); the
 receive side (:mod:`mq.delivery`) holds one for ``recv()`` and one for subscription handlers.
+Producers and consumers that must wait do so through the node's :class:`mq.waits.Waits`,
+``on`` the queue: whoever puts or takes wakes them.
 """
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
+import time
 from typing import Any
+
+from mq.waits import Waits
 
 
 class BoundedQueue:
     """A FIFO bounded in messages and in bytes, for one producer (the I/O thread) and any
     consumers.
 
-    The hand-off between the I/O thread and ``recv()`` is on the small-message hot path, so items
-    go through the C SimpleQueue and the count bound is its size: no Python-level lock or
-    semaphore per message. Only a producer facing a full queue waits on a Condition, and a
-    consumer notifies only when somebody waits. Bytes are counted (under a lock) only for items
-    of at least ``BIG`` bytes: smaller ones are bounded by the count.
+    The hand-off between the I/O thread and ``recv()`` is on the small-message hot path: items
+    go through a deque (append and popleft are atomic), and a put or take costs one dict lookup
+    in the node's waits when nobody waits. Bytes are counted (under a lock) only for items of at
+    least ``BIG`` bytes: smaller ones are bounded by the count.
     """
 
     BIG = 64 << 10
 
-    def __init__(self, capacity: int, max_bytes: int = 1 << 62):
-        self._items: queue.SimpleQueue = queue.SimpleQueue()
-        self._capacity = capacity
-        self._space = threading.Condition()
-        self._waiting = 0  # producers waiting for space
+    def __init__(self, capacity: int, max_bytes: int = 1 << 62, waits: Waits | None = None):
+        # (read directly by the receive side's per-message checks: a call each costs more)
+        self.items: collections.deque[tuple[Any, int]] = collections.deque()
+        self._items = self.items
+        self.capacity = self._capacity = capacity
         self._max_bytes = max_bytes
         self._bytes = 0
-        self._bytes_cond = threading.Condition()
+        self._bytes_lock = threading.Lock()
+        self.waits = waits or Waits()
+        self._watched, self._key = self.waits.watched, id(self)  # (per message: no call unless waited on)
+
+    def room(self, nbytes: int = 0) -> bool:
+        """Whether an item of ``nbytes`` fits now. One item always fits an empty queue,
+        whatever its size."""
+        if len(self._items) >= self._capacity:
+            return False
+        return nbytes < self.BIG or self._bytes == 0 or self._bytes + nbytes <= self._max_bytes
 
     def put(self, item: Any, timeout: float, nbytes: int = 0) -> bool:
-        """Add ``item``; False if the queue stayed full for ``timeout`` seconds. One item always
-        fits in an empty queue, whatever its size."""
-        if nbytes >= self.BIG:
-            with self._bytes_cond:
-                if not self._bytes_cond.wait_for(
-                        lambda: self._bytes == 0 or self._bytes + nbytes <= self._max_bytes, timeout):
-                    return False
-                self._bytes += nbytes
-        if self._items.qsize() >= self._capacity:
-            with self._space:
-                self._waiting += 1  # before looking again: a consumer seeing it will notify
-                try:
-                    room = self._space.wait_for(lambda: self._items.qsize() < self._capacity, timeout)
-                finally:
-                    self._waiting -= 1
-            if not room:
-                self._unbytes(nbytes)
-                return False
-        self._items.put((item, nbytes))
+        """Add ``item``; False if the queue stayed full for ``timeout`` seconds."""
+        if not self.room(nbytes) and not self.waits.pause(lambda: self.room(nbytes), timeout, on=(self,)):
+            return False
+        self.put_now(item, nbytes)
         return True
 
     def put_now(self, item: Any, nbytes: int = 0) -> None:
         """Add ``item`` past the bounds: for a consumer's own thread, which cannot wait for
-        itself to make room."""
+        itself to make room, or a producer that waited for :meth:`room`."""
         if nbytes >= self.BIG:
-            with self._bytes_cond:
+            with self._bytes_lock:
                 self._bytes += nbytes
-        self._items.put((item, nbytes))
+        self._items.append((item, nbytes))
+        if self._key in self._watched:
+            self.waits.wake(self)
 
     def get(self, timeout: float) -> Any:
-        """Next item; raises queue.Empty after ``timeout`` seconds."""
-        return self._taken(self._items.get(timeout=timeout))
+        """Next item; raises :class:`IndexError` after ``timeout`` seconds with none."""
+        items = self._items
+        deadline = None
+        while True:
+            try:
+                return self._taken(items.popleft())
+            except IndexError:  # (another consumer may take the item this one was woken for)
+                pass
+            deadline = deadline or time.monotonic() + timeout
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.waits.pause(lambda: items, left, on=(self,)):
+                raise IndexError("no item in time")
 
     def get_nowait(self) -> Any:
-        return self._taken(self._items.get_nowait())
+        """Next item; raises :class:`IndexError` when there is none."""
+        return self._taken(self._items.popleft())
 
     def _taken(self, entry: tuple[Any, int]) -> Any:
         item, nbytes = entry
-        if self._waiting:
-            with self._space:
-                self._space.notify()
         if nbytes >= self.BIG:
-            self._unbytes(nbytes)
+            with self._bytes_lock:
+                self._bytes -= nbytes
+        if self._key in self._watched:  # a producer waiting for room
+            self.waits.wake(self)
         return item
 
-    def _unbytes(self, nbytes: int) -> None:
-        if nbytes >= self.BIG:
-            with self._bytes_cond:
-                self._bytes -= nbytes
-                self._bytes_cond.notify_all()
-
     def empty(self) -> bool:
-        return self._items.empty()
+        return not self._items
 
     def full(self) -> bool:
-        return self._items.qsize() >= self._capacity
+        return len(self._items) >= self._capacity
 
     def depth(self) -> dict[str, int]:
-        return {"messages": self._items.qsize(), "bytes": self._bytes}
+        return {"messages": len(self._items), "bytes": self._bytes}

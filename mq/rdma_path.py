@@ -39,17 +39,19 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import msgspec
 import numpy as np
 
 from mq import peer_route
 from mq import rdma as _rdma
+from mq import waits as _waits
 from mq.codec import PATH
 from mq.datapath import DataPath, Slot, SlotTable, address_of, size_class, view_until_garbage
-from mq.errors import ConfigError, PeerLeft, ProtocolError
+from mq.errors import ConfigError, MQError, PeerLeft, PeerLost, ProtocolError, Timeout
 from mq.options import check_int
+from mq.waits import Waits
 
 log = logging.getLogger("mq")
 
@@ -101,31 +103,41 @@ class RegisteredPool:
     as an inline receive would allocate.
     """
 
-    def __init__(self, engine: Any, max_bytes: int, *, waits: bool, label: str):
+    def __init__(self, engine: Any, max_bytes: int, *, waits: bool, label: str, node_waits: Any = None):
         self.engine = engine
         self.max_bytes = max_bytes
         self.waits = waits
         self.label = label
         self.stats = {"segments": 0, "registered_bytes": 0, "registrations": 0, "over_bound": 0}
-        self.slots = SlotTable(stats=self.stats)
+        self.slots = SlotTable(stats=self.stats, waits=node_waits)
         self.version = 0  # bumped when a segment is made or retired: peers must hear of it
         self._bytes = 0
         self._closed = False
 
-    def take(self, nbytes: int, timeout: float) -> _Segment:
-        """A free segment for ``nbytes`` (best fit), a new one, or (send pool) wait."""
+    def take(self, nbytes: int, timeout: float, claim: Callable[[_Segment], None] = lambda _seg: None,
+             peers: Iterable[int] = ()) -> _Segment:
+        """A free segment for ``nbytes`` (best fit), a new one, or (send pool) wait while
+        ``peers`` live; ``claim(seg)`` runs under the lock as it is found (nobody else takes it)."""
         cap = size_class(max(nbytes, _MIN_SEGMENT))
         if cap > self.max_bytes and self.waits:
             raise ConfigError(f"a {nbytes}-byte buffer does not fit the rdma {self.label} pool "
                               f"({self.max_bytes} bytes): raise rdma_pool_bytes")
-        with self.slots.cond:
-            if not self.waits:
+        if not self.waits:
+            with self.slots.cond:
                 seg = self._fit(nbytes, cap)
                 if seg is None:
                     self.stats["over_bound"] += 1
                     seg = self._new(cap)
+                claim(seg)
                 return seg
-            return self.slots.wait_for(lambda: self._fit(nbytes, cap), timeout, lambda: self._full(timeout))
+
+        def fit() -> _Segment | None:
+            seg = self._fit(nbytes, cap)
+            if seg is not None:
+                claim(seg)
+            return seg
+
+        return self.slots.wait_for(fit, timeout, lambda: self._full(timeout), peers)
 
     def _fit(self, nbytes: int, cap: int) -> _Segment | None:
         if self._closed:
@@ -205,8 +217,10 @@ class RdmaReader:
         self.agent = agent
         self.segments: dict[int, tuple[int, int]] = {}  # seg_id -> (addr, size)
         # Offers and frames may be read by two threads (the I/O thread, and one reading for
-        # itself): a frame naming a segment whose offer another thread is loading waits for it.
-        self.loaded = threading.Condition()
+        # itself): a frame naming a segment whose offer another thread is loading waits for it
+        # (on this reader, through the node's waits).
+        self.loading = threading.Lock()
+        self.waits = getattr(path, "waits", None) or Waits()
         self.seq = 0
         self.refused = 0
         self.closed = False
@@ -225,8 +239,11 @@ class RdmaReader:
         seg = self.segments.get(seg_id)
         newest = max(self.segments, default=0)
         if seg is None and newest < seg_id <= newest + _NEWER_SEGMENTS:  # an offer not loaded yet
-            with self.loaded:
-                self.loaded.wait_for(lambda: seg_id in self.segments or self.closed, OFFER_WAIT_S)
+            try:
+                self.waits.until(lambda: seg_id in self.segments or self.closed,
+                                       time.monotonic() + OFFER_WAIT_S, on=(self,), peers=(self.peer,))
+            except MQError:
+                pass  # (not in time, or its peer is gone): refused below
             seg = self.segments.get(seg_id)
         if seg is None or offset < 0 or nbytes <= 0 or offset + nbytes > seg[1]:
             self.refused += 1
@@ -239,8 +256,7 @@ class RdmaReader:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            with self.loaded:
-                self.loaded.notify_all()
+            self.waits.wake(self)
             self._path.drop_reader(self)
 
 
@@ -279,7 +295,8 @@ class RdmaPath(DataPath):
         self.engine: Any = None
         self.send_pool: RegisteredPool | None = None
         self.landing: RegisteredPool | None = None
-        self._cond = threading.Condition()
+        self._cond = threading.RLock()  # offers and verdicts; waits for them: ``self.waits``
+        self.waits = getattr(host, "waits", None) or Waits()
         self._offered: dict[int, int] = {}  # peer -> pool version it has been offered
         self._unanswered: dict[int, set[int]] = {}  # peer -> offers (seq) awaiting its verdict
         self._timeouts: dict[int, int] = {}  # peer -> first offers it left unanswered
@@ -314,8 +331,9 @@ class RdmaPath(DataPath):
             self.unavailable = f"the RDMA engine did not start: {exc}"
             log.warning("node %d: rdma path off: %s", self.node_id, self.unavailable)
             return
-        self.send_pool = RegisteredPool(self.engine, self.pool_bytes, waits=True, label="send")
-        self.landing = RegisteredPool(self.engine, self.pool_bytes, waits=False, label="landing")
+        self.send_pool = RegisteredPool(self.engine, self.pool_bytes, waits=True, label="send", node_waits=self.waits)
+        self.landing = RegisteredPool(self.engine, self.pool_bytes, waits=False, label="landing",
+                                      node_waits=self.waits)
         self.unavailable = None
 
     # ------------------------------------------------------------------ joining
@@ -400,7 +418,7 @@ class RdmaPath(DataPath):
                 first = peer not in self._verdicts
                 if first or error is not None:
                     self._verdicts[peer] = error
-                self._cond.notify_all()
+            self.waits.wake(self)
             self.stats["verdicts_ok" if error is None else "verdicts_failed"] += 1
             p = self._peers.get(peer)
             if error is not None and not first and p is not None:  # a later offer failed
@@ -448,7 +466,7 @@ class RdmaPath(DataPath):
                 offer.mac, self._proof(peer, their_inc, self.node_id, self.incarnation, offer))):
             return "offer not signed with the job secret (forged, or from another incarnation)"
         reader = p.readers.get(TAG) or RdmaReader(self, peer, offer.agent)
-        with reader.loaded:
+        with reader.loading:
             if TAG in p.readers and offer.seq <= reader.seq:
                 return f"offer {offer.seq} replayed (already at {reader.seq})"
             began = time.monotonic()
@@ -466,7 +484,7 @@ class RdmaPath(DataPath):
             if TAG not in p.readers:
                 self.engine.hold_peer(name)
             p.readers[TAG] = reader
-            reader.loaded.notify_all()
+        self.waits.wake(reader)
         log.debug("node %d: rdma offer %d of node %d loaded (%d segments)", self.node_id, offer.seq, peer,
                   len(offer.segments))
         return None
@@ -502,16 +520,17 @@ class RdmaPath(DataPath):
             if peer not in self._offered:
                 self._offer(peer, deadline)
         until = min(deadline, time.monotonic() + VERDICT_WAIT_S)
+        try:
+            self.waits.until(lambda: peer in self._verdicts, until, on=(self,), peers=(peer,))
+        except PeerLost:
+            return False
+        except Timeout:  # this frame goes inline; the next send offers again
+            with self._cond:
+                return self._unanswered_offer(peer)
         with self._cond:
-            while peer not in self._verdicts:
-                left = until - time.monotonic()
-                p = self._peers.get(peer)
-                if p is None or p.lost:
-                    return False
-                if left <= 0:  # this frame goes inline; the next send offers again
-                    return self._unanswered_offer(peer)
-                self._cond.wait(min(left, 0.1))
-            verdict = self._verdicts[peer]
+            verdict = self._verdicts.get(peer)
+            if peer not in self._verdicts:  # forgotten meanwhile (the peer left)
+                return False
         if verdict is not None:
             p = self._peers.get(peer)
             if p is not None:
@@ -547,10 +566,12 @@ class RdmaPath(DataPath):
         descs = {} if descs is None else descs
         for i in indices:
             addr, nbytes = address_of(buffers[i])
-            with pool.slots.cond:
-                seg = pool.take(nbytes, max(0.0, deadline - time.monotonic()))
+
+            def claim(seg: _Segment) -> None:
                 seg.gen += 1
                 pool.slots.hold(seg, peers)
+
+            seg = pool.take(nbytes, max(0.0, deadline - time.monotonic()), claim, peers)
             _copy_in_pieces(seg.memory[:nbytes], _as_uint8(buffers[i]))  # outside the lock
             descs[i] = [TAG, seg.slot_id, seg.gen, 0, nbytes]
             self.stats["placed"] += 1
@@ -580,9 +601,7 @@ class RdmaPath(DataPath):
             # a new landing segment may be made and registered first: with the read, it takes a
             # while under load, and frames wait unread meanwhile
             with self.reader_busy():
-                with landing.slots.cond:
-                    seg = landing.take(nbytes, 0.0)  # never waits: past its bound it grows
-                    seg.pinned = True
+                seg = landing.take(nbytes, 0.0, _pin)  # never waits: past its bound it grows
                 self._transfer(reader, remote_addr, seg.base, nbytes)
         except BaseException:
             self.stats["pull_failures"] += 1
@@ -612,7 +631,7 @@ class RdmaPath(DataPath):
                 if "NOT_FOUND" not in str(exc) or time.monotonic() > start_by:
                     raise self._failed(reader, f"could not start a pull: {exc}") from None
                 self.stats["start_retries"] += 1
-                time.sleep(0.005)
+                _waits.sleep(0.005)
         deadline = time.monotonic() + PULL_STALL_S + nbytes / _SLOWEST_BPS
         pause = 0.0
         try:
@@ -629,7 +648,7 @@ class RdmaPath(DataPath):
                     raise self._failed(reader, f"a pull of {nbytes} bytes made no progress in "
                                                f"{PULL_STALL_S + nbytes / _SLOWEST_BPS:.0f}s")
                 if pause:
-                    time.sleep(pause)
+                    _waits.sleep(pause)  # (NIXL's state is polled: nothing wakes this thread)
                 pause = min(2e-4, pause * 2 or 2e-5)  # a pull of 1 MB takes ~1 ms over tcp
         finally:
             engine.release(handle)
@@ -668,7 +687,7 @@ class RdmaPath(DataPath):
             self._timeouts.pop(peer.node_id, None)
             self._verdicts.pop(peer.node_id, None)
             self._peer_locks.pop(peer.node_id, None)
-            self._cond.notify_all()
+        self.waits.wake(self)
         reader = peer.readers.get(TAG)
         if reader is not None:
             reader.close()
@@ -692,6 +711,10 @@ class RdmaPath(DataPath):
                 pool.close()
 
 
+def _pin(seg: Any) -> None:
+    seg.pinned = True
+
+
 def _equal(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
 
@@ -699,7 +722,7 @@ def _equal(a: bytes, b: bytes) -> bool:
 def _copy_in_pieces(dst: np.ndarray, src: np.ndarray) -> None:
     for at in range(0, dst.nbytes, _PIECE):
         np.copyto(dst[at:at + _PIECE], src[at:at + _PIECE])
-        time.sleep(0)  # let the heartbeat thread in
+        _waits.sleep(0)  # let the heartbeat thread in
 
 
 def _populated(nbytes: int) -> np.ndarray:

@@ -148,8 +148,8 @@ class Rendezvous:
         except RuntimeError:
             missing = [str(i) for i, k in enumerate(keys) if not self.store.check([k])]
             raise Timeout(f"node {self.node_id}: nodes {', '.join(missing)} did not join the rendezvous "
-                          f"within {self.timeout:g}s (world_size={self.world_size}, init_method="
-                          f"{self.init_method}): are all nodes started?") from None
+                          f"within {self.timeout:g}s (stage rendezvous; world_size={self.world_size}, "
+                          f"init_method={self.init_method}): are all nodes started?") from None
         return {i: open_entry(secret, self.store.get(k), f"node {i}'s {self.what}") for i, k in enumerate(keys)}
 
 

@@ -70,7 +70,8 @@ class Sender:
         self._stats = stats
         self._metrics = metrics
         self._seq = itertools.count()
-        self.releases = _datapath.ReleaseQueue()  # every path's: one releaser thread sends them
+        self.waits = peers.waits  # the data paths' waits (pool slots) go through the node's
+        self.releases = _datapath.ReleaseQueue(self.waits)  # every path's: one releaser thread sends them
         self._releaser: threading.Thread | None = None
         # Transports that carry tensors themselves (torch RPC) stage or map GPU tensors their way.
         self._stages_gpu = not transport.keeps_tensors
@@ -122,10 +123,17 @@ class Sender:
         self.deliver_to([peer], self.encode(kind, topic, payload, corr), time.monotonic() + timeout)
 
     def send_raw(self, peer: int, frame: Frame, timeout: float) -> None:
-        """Control frames (handshake, farewell, releases): inline, receipt awaited."""
-        receipt = self._send(peer, frame, timeout)
-        if receipt is not None:
-            receipt()
+        """Control frames (handshake, farewell, releases, a data path's offers): inline, receipt
+        awaited. A link torn down because the peer died says PeerLost, as a data frame's does."""
+        try:
+            receipt = self._send(peer, frame, timeout)
+            if receipt is not None:
+                receipt()
+        except (ClosedError, Timeout):
+            p = self._peer_get(peer)
+            if p is not None and p.lost:
+                raise PeerLost(f"node {peer} {p.lost}") from None
+            raise
 
     def send_control(self, peer: int, kind: int, payload: Any, timeout: float, corr: int = 0) -> None:
         self.send_raw(peer, self.encode(kind, "", payload, corr), timeout)

@@ -44,17 +44,17 @@ waits for that, and the sender's numpy view is read-only in between.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import functools
 import logging
 import mmap
 import os
-import queue
 import reprlib
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from cffi import FFI
@@ -62,6 +62,7 @@ from cffi import FFI
 from mq.datapath import Slot, SlotPool, SlotTable, address_of as _address, size_class, view_until_garbage
 from mq.errors import ConfigError, ProtocolError, Timeout
 from mq.options import check_int
+from mq.waits import Waits
 
 log = logging.getLogger("mq.shm")
 
@@ -136,7 +137,7 @@ class Pool(SlotPool):
     """
 
     def __init__(self, max_bytes: int = DEFAULT_POOL_BYTES, inline_max: int = DEFAULT_INLINE_MAX,
-                 label: str = ""):
+                 label: str = "", waits: Waits | None = None):
         self.check_options(max_bytes, inline_max)
         why = available()
         if why:
@@ -147,14 +148,15 @@ class Pool(SlotPool):
         self.stats = {"placed": 0, "by_handle": 0, "copied_bytes": 0, "waits": 0,
                       "stale_releases": 0, "segments": 0, "lent": 0}
         # Holders per peer, releases, backpressure: the table every data path shares.
-        self._slots = SlotTable(on_released=_writable_again, stats=self.stats)
+        self._slots = SlotTable(on_released=_writable_again, stats=self.stats, waits=waits)
         self._cond = self._slots.cond
         self._segments: dict[int, _Segment] = self._slots.slots  # type: ignore[assignment]
         self._by_address: list[tuple[int, int, _Segment]] = []  # (start, end, seg) for handles
         self._bytes = 0
         self._closed = False
         self._lent_bytes = 0
-        self._returned: queue.SimpleQueue = queue.SimpleQueue()  # lent segments whose views are gone
+        # lent segments whose views are gone (appended by garbage collection, any thread: no lock)
+        self._returned: collections.deque[_Segment] = collections.deque()
         # A tiny segment peers open during the handshake to prove they can read this pool.
         self._probe = self._new_segment(0)
         self._probe.pinned = True
@@ -192,10 +194,13 @@ class Pool(SlotPool):
                 if seg.user_view is not None:
                     seg.user_view.flags.writeable = False  # the sender's copy is shared now
                 return [seg.seg_id, seg.fd, seg.gen, addr - seg.base, nbytes]
-            seg = self._take(nbytes, timeout)
+
+        def claim(seg: _Segment) -> None:
             seg.gen += 1
             seg.write_header()
             self._slots.hold(seg, holders)
+
+        seg = self._take(nbytes, timeout, claim=claim, peers=holders)
         # Copy outside the lock: other senders may place meanwhile.
         dst = np.frombuffer(seg.mm, np.uint8, nbytes, _HEADER)
         np.copyto(dst, _as_uint8(buf))
@@ -209,9 +214,11 @@ class Pool(SlotPool):
                 return seg
         return None
 
-    def _take(self, nbytes: int, timeout: float, reuse: bool = True, populate: bool = False) -> _Segment:
+    def _take(self, nbytes: int, timeout: float, reuse: bool = True, populate: bool = False,
+              claim: Callable[[_Segment], None] = lambda _seg: None, peers: Iterable[int] = ()) -> _Segment:
         """A free segment that fits (best fit; with ``reuse`` off always a fresh one), a new
-        one, or wait. Called with the lock held.
+        one, or wait (without the lock: releases need it) while ``peers`` live; ``claim(seg)``
+        runs under the lock as the segment is found, so nobody else takes it.
 
         Every segment counts against the bound, alloc()'s too: readers refuse to map more of
         this pool than its announced bound."""
@@ -219,8 +226,14 @@ class Pool(SlotPool):
         if cap > self.max_bytes:
             raise ConfigError(f"a {nbytes}-byte buffer does not fit the shared-memory pool "
                               f"({self.max_bytes} bytes): raise shm_pool_bytes")
-        return self._slots.wait_for(lambda: self._fit(nbytes, cap, reuse, populate), timeout,
-                                    lambda: self._full(timeout))
+
+        def fit() -> _Segment | None:
+            seg = self._fit(nbytes, cap, reuse, populate)
+            if seg is not None:
+                claim(seg)
+            return seg
+
+        return self._slots.wait_for(fit, timeout, lambda: self._full(timeout), peers)
 
     def _fit(self, nbytes: int, cap: int, reuse: bool, populate: bool) -> _Segment | None:
         self._collect_lent()
@@ -313,17 +326,17 @@ class Pool(SlotPool):
             self.stats["lent"] += 1
         # `keep` exports the mapping while lent, so close() cannot unmap it under a view; the
         # last view's garbage collection (any thread) returns the slot through a queue, no lock.
-        keep, back = memoryview(seg.mm), self._returned.put
+        keep, back = memoryview(seg.mm), self._returned.append
         return view_until_garbage(seg.base, nbytes, lambda keep=keep: back(seg))
 
     def _collect_lent(self) -> None:
         """Take back the lent slots no view references any more. Called with the lock held."""
-        while not self._returned.empty():
-            seg = self._returned.get_nowait()
+        while self._returned:
+            seg = self._returned.popleft()
             seg.lent = False
             self._lent_bytes -= seg.capacity
             self._forget_address(seg)
-            self._cond.notify_all()
+            self._slots.waits.wake(self._slots)
 
     def _forget_address(self, seg: _Segment) -> None:
         """``seg`` no longer holds a buffer that place() may send by handle."""
@@ -351,12 +364,13 @@ class Pool(SlotPool):
             raise ConfigError(f"dtype {np_dtype} holds Python objects: shared memory needs plain data")
         itemsize = torch_dtype.itemsize if torch_dtype is not None else np_dtype.itemsize
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-        with self._cond:
-            seg = self._take(nbytes, timeout, reuse=False)
+        def claim(seg: _Segment) -> None:
             seg.pinned = True
             seg.gen += 1
             seg.write_header()
             self._by_address.append((seg.base, seg.base + seg.capacity, seg))
+
+        seg = self._take(nbytes, timeout, reuse=False, claim=claim)
         raw = np.frombuffer(seg.mm, np.uint8, nbytes, _HEADER)
         if torch_dtype is not None:
             import torch
@@ -385,7 +399,7 @@ class Pool(SlotPool):
                     seg.write_header(_RETIRED)
                     os.close(seg.fd)
                     del self._segments[seg.seg_id]
-            self._cond.notify_all()
+        self._slots.waits.wake(self._slots)
 
 
 def _writable_again(seg: Any) -> None:

@@ -36,26 +36,27 @@ class ShmPath(DataPath):
     device = "cpu"
 
     def __init__(self, node_id: int, peers: Any, releases: ReleaseQueue, *, enabled: bool, pool_bytes: int,
-                 inline_max: int):
+                 inline_max: int, waits: Any = None):
         _shm.Pool.check_options(pool_bytes, inline_max)
         self.node_id = node_id
         self._peers = peers
         self._releases = releases
         self._enabled = bool(enabled)
         self._options = (pool_bytes, inline_max)
+        self._waits = waits
         self.pool: _shm.Pool | None = None
         self.unavailable: str | None = None if enabled else "turned off (shm=False)"
 
     @classmethod
     def make(cls, host: Any, options: dict[str, Any]) -> "ShmPath":
         return cls(host.node_id, host.peers, host.releases, enabled=options["shm"], pool_bytes=options["shm_options"][0],
-                   inline_max=options["shm_options"][1])
+                   inline_max=options["shm_options"][1], waits=host.waits)
 
     def open(self) -> None:
         if not self._enabled:
             return
         try:
-            self.pool = _shm.Pool(*self._options, label=str(self.node_id))
+            self.pool = _shm.Pool(*self._options, label=str(self.node_id), waits=self._waits)
             self.wants = self.pool.wants  # type: ignore[method-assign]  # bound once: the hot path asks it
         except OSError as exc:  # e.g. no memfd, or no memory for the probe: sockets only
             self.unavailable = f"cannot make a shared-memory pool here ({exc})"

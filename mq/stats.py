@@ -50,15 +50,15 @@ class Refusals:
         self.stats.rejected[cause] = self.stats.rejected.get(cause, 0) + 1
         self.log(cause, f"node {self.node_id}: refused: {why}")
 
-    def dropped(self, why: str, cause: str = "malformed") -> None:
+    def dropped(self, why: str, cause: str = "malformed", count: int = 1) -> None:
         """A frame that could not be read (``malformed``), was too large (``oversized``), or
-        another cause (``Stats.dropped``)."""
+        another cause (``Stats.dropped``); ``count`` of them."""
         if cause == "oversized":
-            self.stats.dropped_oversized += 1
+            self.stats.dropped_oversized += count
         elif cause in ("malformed", "error"):
-            self.stats.dropped_malformed += 1
+            self.stats.dropped_malformed += count
         else:
-            self.stats.dropped[cause] = self.stats.dropped.get(cause, 0) + 1
+            self.stats.dropped[cause] = self.stats.dropped.get(cause, 0) + count
         self.log(cause, f"node {self.node_id}: dropped a {cause} frame: {why}")
 
     def discarded(self, cause: str, why: str) -> None:

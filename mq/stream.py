@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from mq import tensordicts
 from mq.channels import check_name, nbytes_of
 from mq.message import Message
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, StreamError, Timeout
@@ -37,6 +38,9 @@ from mq.errors import ClosedError, ConfigError, MQError, PeerLost, StreamError, 
 log = logging.getLogger("mq.stream")
 
 LEFT_GRACE_S = 2.0  # a sender that left may still have its end marker in our handler queue
+# recv() raises PeerLost once every sender left without closing its end this long ago (what
+# they sent before may still be on its way through our handler queue: it is delivered first).
+LOST_GRACE_S = 0.5
 
 
 class Stream:
@@ -59,7 +63,7 @@ class Stream:
         self.max_bytes = max_bytes
         self.timeout = q.timeout if timeout is None else float(timeout)
         self._credit_topic = f"{name}._credit"
-        self._cond = threading.Condition()
+        self._cond = threading.RLock()  # its state; waits go through the node's (q.waits, on self)
         self._closed = False
         if to is not None:  # sending end
             self.incarnation = uuid.uuid4().hex
@@ -91,17 +95,17 @@ class Stream:
         deadline = time.monotonic() + wait
         self._wait_receiver(deadline)
         n = _payload_bytes(payload)
-        with self._cond:
-            def fits() -> bool:
-                if self.to not in self.q.peers():
-                    raise PeerLost(f"stream {self.name!r}: the receiver, node {self.to}, left the job")
-                out = self.sent_bytes - self.consumed
-                return out == 0 or out + n <= self.max_bytes
 
-            if not self._cond.wait_for(fits, max(0.0, deadline - time.monotonic())):
-                raise Timeout(f"stream {self.name!r}: node {self.to} did not consume "
-                              f"{self.sent_bytes - self.consumed} bytes in flight within {wait:g}s "
-                              "(it reads slower than this node sends; raise max_bytes or timeout)")
+        def fits() -> bool:
+            if self.to not in self.q.peers():
+                raise PeerLost(f"stream {self.name!r}: the receiver, node {self.to}, left the job")
+            out = self.sent_bytes - self.consumed
+            return out == 0 or out + n <= self.max_bytes
+
+        self.q.waits.until(fits, deadline, on=(self,), peers=(self.to,),
+                           what=lambda: f"stream {self.name!r}: node {self.to} did not consume "
+                                        f"{self.sent_bytes - self.consumed} bytes in flight within {wait:g}s "
+                                        "(it reads slower than this node sends; raise max_bytes or timeout)")
         self.q.send(self.to, self.name, {"i": self.incarnation, "s": self.sent, "n": n, "d": payload},
                     timeout=max(0.001, deadline - time.monotonic()))
         self.sent += 1
@@ -109,21 +113,19 @@ class Stream:
 
     def _wait_receiver(self, deadline: float) -> None:
         # Until the receiver subscribed, our messages would land in its q.recv() queue.
-        while not self._ready:
-            if self.to in self.q.wait_for_subscribers(self.name, 0, timeout=0):
-                self._ready = True
-                return
-            if time.monotonic() > deadline:
-                raise Timeout(f"stream {self.name!r}: node {self.to} has not opened it (mq.Stream(q, "
-                              f"{self.name!r}) on that node) in time")
-            time.sleep(0.02)
+        if not self._ready:
+            self.q.waits.until(lambda: self.to in self.q.wait_for_subscribers(self.name, 0, timeout=0),
+                               deadline, peers=(self.to,), every=0.02,
+                               what=f"stream {self.name!r}: node {self.to} has not opened it (mq.Stream(q, "
+                                    f"{self.name!r}) on that node) in time")
+            self._ready = True
 
     def _on_credit(self, msg: Message) -> None:
         p = msg.payload
         if isinstance(p, dict) and p.get("i") == self.incarnation and isinstance(p.get("consumed"), int):
             with self._cond:
                 self.consumed = max(self.consumed, p["consumed"])
-                self._cond.notify_all()
+            self.q.waits.wake(self)
 
     # ---- receiving end
     def _on_data(self, msg: Message) -> None:
@@ -145,7 +147,7 @@ class Stream:
             else:
                 inc.received += 1
                 self._items.append((msg.sender, p.get("d"), int(p.get("n") or 0), msg.sent_at))
-            self._cond.notify_all()
+        self.q.waits.wake(self)
 
     def _restarted(self, sender: int, old: "_Incoming") -> None:
         entry = {"node": sender, "received": old.received, "sent": old.ended}
@@ -164,12 +166,14 @@ class Stream:
 
         Raises:
             Timeout: nothing within ``timeout`` seconds.
+            PeerLost: nothing is left to read and every sender of the stream so far left the
+                job without closing its end (none can send any more); names them.
         """
         self._need(sending=False)
         wait = self.timeout if timeout is None else timeout
+        self.q.waits.until(self._readable, time.monotonic() + wait, on=(self,),
+                           what=f"stream {self.name!r}: no message within {wait:g}s")
         with self._cond:
-            if not self._cond.wait_for(lambda: self._head < len(self._items), wait):
-                raise Timeout(f"stream {self.name!r}: no message within {wait:g}s")
             sender, payload, n, sent_at = self._items[self._head]
             self._items[self._head] = None  # type: ignore[call-overload]
             self._head += 1
@@ -177,11 +181,31 @@ class Stream:
                 del self._items[:self._head]
                 self._head = 0
             inc = self._from.get(sender)
+            due = inc is not None and inc.consumed + n - inc.acked >= self.max_bytes // 4
             if inc is not None:
                 inc.consumed += n
-                if inc.consumed - inc.acked >= self.max_bytes // 4:
-                    self._cond.notify_all()  # the acker sends credit now
+        if due:
+            self.q.waits.wake(self._acker)  # the acker sends credit now
         return Message(self.name, payload, sender, sent_at)
+
+    def _readable(self) -> bool:
+        """A message waits (the reader's condition); PeerLost when none can come any more."""
+        if self._head < len(self._items):
+            return True
+        with self._cond:
+            open_ = [s for s, inc in self._from.items() if inc.ended is None]
+        if not open_:
+            return False
+        now, live = time.monotonic(), set(self.q.peers())
+        with self._cond:
+            for s in open_:
+                if s in live:
+                    self._gone.pop(s, None)
+            gone = [s for s in open_ if s not in live and now - self._gone.setdefault(s, now) > LOST_GRACE_S]
+        if len(gone) == len(open_):
+            raise PeerLost(f"stream {self.name!r}: nothing more can come: its sender(s) "
+                           f"{', '.join(f'node {s}' for s in gone)} left the job without closing the stream")
+        return False
 
     def pending(self) -> int:
         """Messages received and not yet read."""
@@ -190,8 +214,8 @@ class Stream:
     def _ack_loop(self) -> None:
         # Credit goes back from this thread, never from recv(): a slow link must not stall it.
         while not self._closed and self.q.running:
+            self.q.waits.pause(lambda: False, 0.01, on=(self._acker,))  # (woken by recv when due)
             with self._cond:
-                self._cond.wait(0.01)
                 due = [(s, inc.incarnation, inc.consumed) for s, inc in self._from.items()
                        if inc.consumed > inc.acked]
             for sender, incarnation, consumed in due:
@@ -255,8 +279,10 @@ class Stream:
             return {"sent": self.sent}
         deadline = time.monotonic() + wait
         want = set(expect)
-        while self.open_senders(want) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        try:
+            self.q.waits.until(lambda: not self.open_senders(want), deadline, on=(self,), every=0.02)
+        except Timeout:
+            pass  # the report says who did not close
         report = self._report(want)
         self._closed = True
         if check and report["problems"]:
@@ -307,4 +333,6 @@ def _payload_bytes(tree: Any) -> int:
         return 64 + nbytes_of(tree)
     if isinstance(tree, (bytes, bytearray, memoryview, str)):
         return 16 + len(tree)
+    if tensordicts.is_tensordict(tree):  # a batch of transitions: its tensors' bytes
+        return tensordicts.nbytes(tree)
     return 16

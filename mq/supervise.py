@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
+from mq import waits
+
 __all__ = ["die_with_parent", "stop_processes", "stop_signals_raise"]
 
 _PR_SET_PDEATHSIG = 1
@@ -40,14 +42,14 @@ def die_with_parent(signum: int = signal.SIGKILL, *, exit_if_orphaned: bool = Fa
 @contextlib.contextmanager
 def stop_signals_raise(error: Callable[[int], BaseException],
                        signals: Iterable[int] = (signal.SIGTERM,), *,
-                       sigint_raises: bool = False) -> Iterator[threading.Event]:
+                       sigint_raises: bool = False) -> Iterator[waits.Flag]:
     """While the block runs, the first of ``signals`` raises ``error(signum)`` in the main
     thread, so the caller stops its children gracefully instead of dying at once; later ones
     are ignored, so they cannot break off that stop. Set the event it yields when stopping for
     another reason: the signals are then ignored too. ``sigint_raises``: Ctrl-C raises
     KeyboardInterrupt even where SIGINT was ignored (a shell's background job). Only in the
     main thread; elsewhere the block runs unchanged."""
-    stopping = threading.Event()
+    stopping = waits.Flag()
     if threading.current_thread() is not threading.main_thread():
         yield stopping
         return
@@ -81,9 +83,9 @@ def stop_processes(procs: Iterable[Any], grace_s: float) -> None:
                 p.terminate()
         deadline = time.monotonic() + grace_s
         for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+            waits.join(p, deadline - time.monotonic())
     for p in procs:
         if p.exitcode is None:
             p.kill()
-            p.join(1.0)
+            waits.join(p, 1.0)
 

@@ -64,6 +64,9 @@ class Events(Protocol):
 
     max_frame_bytes: int
     secret: Any  # the job's mq.auth.Secret (None when insecure): sign what strangers could write
+    #: the node's :class:`mq.waits.Waits`: a transport blocks only through it (a full link, no
+    #: credit, the reader token), so its waits end when their peer is lost or the node stops
+    waits: Any
 
     def trusts(self, link: Any) -> bool:
         """Whether ``link`` (a hashable key naming a connection: an NNG pipe, a unix or tcp
@@ -149,6 +152,16 @@ class Transport:
 
     def read_in_caller(self, timeout: float, ready: Callable[[], bool]) -> bool:
         return False
+
+    def greeting_connected(self, token: str) -> bool | None:
+        """Whether the greeting ``token`` reached its target's process (a connection is up),
+        for an error that names the stage a join stopped at; None: this transport cannot tell."""
+        return None
+
+    def native_drops(self) -> dict[str, int]:
+        """Frames (or connections) the transport's own library dropped before the node saw
+        them, cumulative, by cause; the node counts them like its own drops. Default: none."""
+        return {}
 
     def streams_to(self, peer: int) -> bool:
         """Whether ``send`` to ``peer`` can take a :class:`mq.cut_through.ArrivingFrame` (a frame

@@ -3,7 +3,10 @@ leave child processes behind."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
+import os
+import sys
 
 import pytest
 
@@ -40,6 +43,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+_REAL_STDERR: list[int] = []  # a copy of fd 2 from before pytest captures it
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _REAL_STDERR.append(os.dup(sys.__stderr__.fileno()))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """pytest-timeout's signal ends a test stuck in Python, but never one stuck inside a C call
+    (a library's deadlock: NNG's reaper once waited for itself and CI sat out its 90 minutes).
+    Past twice its timeout and a minute, every thread's stack is printed and the run ends."""
+    marker = item.get_closest_marker("timeout")
+    timeout = float(marker.args[0] if marker is not None and marker.args else item.config.getini("timeout") or 0)
+    if timeout > 0:
+        faulthandler.dump_traceback_later(2 * timeout + 60, exit=True, file=_REAL_STDERR[0])
+    try:
+        yield
+    finally:
+        if timeout > 0:
+            faulthandler.cancel_dump_traceback_later()
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_children():
     """Fail a test that leaves child processes running."""
@@ -50,6 +76,18 @@ def no_leaked_children():
         p.kill()
         p.join(2)
     assert not leaked, f"test left {len(leaked)} child process(es) running: {leaked}"
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network-namespace hosts joined to this one (mq.tools.netns.Hosts, root=True); the
+    test skips, saying why, without root or iproute2."""
+    from mq.tools.netns import Hosts, unavailable
+
+    if os.geteuid() != 0 or unavailable():
+        pytest.skip(unavailable() or "needs root for network namespaces")
+    with Hosts(2, root=True) as hosts:
+        yield hosts
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -105,11 +105,30 @@ def test_use_after_stop_says_so_and_gives_a_fix_that_works():
         q.stop(timeout="1")
 
 
-def test_an_attach_address_that_never_answers_is_named():
+def test_an_attach_address_that_never_answers_is_named_with_the_stage_the_join_stopped_at():
     q = mq.create("nng", 0, attach_to=["tcp://127.0.0.1:9"], timeout=1)
     with q:
-        with pytest.raises(mq.Timeout, match=r"no answer from tcp://127.0.0.1:9"):
+        with pytest.raises(mq.Timeout, match=r"tcp://127.0.0.1:9: stage connect \(no connection"):
             q.wait_for_peers(1, timeout=0.5)
+    # Something takes the HELLO but never answers it: the stage is the handshake.
+    import pynng
+
+    sink = pynng.Pull0(listen="tcp://127.0.0.1:0")  # an NNG socket that is not an mq node
+    try:
+        address = f"tcp://127.0.0.1:{str(sink.listeners[0].local_address).rpartition(':')[2]}"
+        q = mq.create("nng", 0, attach_to=[address], timeout=1)
+        with q:
+            with pytest.raises(mq.Timeout, match=rf"{address}: stage handshake \(our HELLO got no answer"):
+                q.wait_for_peers(1, timeout=1.0)
+    finally:
+        sink.close()
+    # A node of another job (another secret) answers, and fails authentication: stage auth.
+    other = mq.create("nng", 5, listen_to="tcp://127.0.0.1:0", secret="another job's secret")
+    with other:
+        q = mq.create("nng", 0, attach_to=[other.addresses["tcp"]], timeout=2, secret="this job's secret")
+        with q:
+            with pytest.raises(mq.Timeout, match=r"stage auth \(its answer \(node 5\) failed authentication"):
+                q.wait_for_peers(1, timeout=2.0)
 
 
 def test_options_are_routed_by_field_and_none_is_both_cores_and_a_transports():

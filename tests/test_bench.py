@@ -587,3 +587,27 @@ def test_fanout_with_a_link_rate_caps_every_hosts_uplink():
     assert min(by_name["1 subscriber, other host"].samples_ms) > 12
     assert "every host's uplink capped at 1gbit" in bench_fanout.table(rows, info)
     assert not [n for n in netns.list_namespaces() if n.startswith(f"{netns.NS_PREFIX}{os.getpid()}-")]
+
+
+def test_loaded_rows_are_judged_against_pynng_and_pyzmq_under_the_same_load():
+    """Issue 45's targets: under load small nng messages <= 1.25x raw pynng and <= 1.5x raw
+    pyzmq ipc, both measured under the same load; idle, <= raw pyzmq ipc."""
+    from mq.tools.bench_report import with_load
+
+    def row(kind, mq_type, route, p50, ratio=None):
+        return {"kind": kind, "mq_type": mq_type, "route": route, "resolved_route": route, "hosts": "same",
+                "device": "cpu", "size": "1.25 KB", "size_bytes": 1280, "p50_ms": p50, "ratio": ratio,
+                "mode": "roundtrip"}
+
+    idle = lib.Report(machine={}, rows=[row("mq", "nng", "ipc", 0.05, 0.25), row("raw", "raw:pynng", "ipc", 0.2),
+                                        row("raw", "raw:pyzmq", "ipc", 0.1)], links=[], config={}, targets=[])
+    loaded = lib.Report(machine={}, rows=[row("mq", "nng", "ipc", 0.14, 1.4), row("raw", "raw:pynng", "ipc", 0.1),
+                                          row("raw", "raw:pyzmq", "ipc", 0.1)], links=[], config={}, targets=[])
+    targets = {t["target"].split(":")[0] + t["target"].split("<=")[1].split("x")[0]: t
+               for t in with_load(idle, loaded, 2).targets}
+    idle_zmq, = [t for k, t in targets.items() if k.startswith("idle")]
+    assert idle_zmq["met"] and idle_zmq["worst"].endswith("0.5x")
+    pynng, = [t for t in targets.values() if "raw pynng under the same load" in t["target"]]
+    zmq, = [t for t in targets.values() if "raw pyzmq ipc under the same load" in t["target"]]
+    assert not pynng["met"] and pynng["misses"] == ["nng/ipc +load2 1.25 KB: 1.4x"]  # 1.4 > 1.25
+    assert zmq["met"] and zmq["worst"].endswith("1.4x")  # 0.14 / 0.1 <= 1.5

@@ -1,4 +1,4 @@
-"""The cuda_ipc data path on a real GPU: the twelve failure modes of ../shared/GPU.md, with two
+"""The cuda_ipc data path on a real GPU: the GPU path's failure modes, with two
 (or four) real processes on one GPU. Every test here carries the ``cuda`` marker and skips
 without a GPU; `bash scripts/gpu-check OUT` runs them on a GPU machine. The host-side rules
 (descriptor and pool checks, slots, the offer protocol, routes) run on CPU in

@@ -114,12 +114,11 @@ def test_a_full_pool_waits_for_a_release_then_times_out_naming_what_holds_it():
     s = t.take(ALIGN)
     t.hold(s, [5])
     threading.Timer(0.2, t.release, (5, s.slot_id)).start()
-    with t.cond:
-        got = t.wait_for(lambda: t.take(ALIGN), 5.0, lambda: "full")
+    got = t.wait_for(lambda: t.take(ALIGN), 5.0, lambda: "full")  # (waits without the table's lock)
     assert got.offset == 0 and t.stats["waits"] == 1
     t.hold(got, [6])
     t0 = time.monotonic()
-    with t.cond, pytest.raises(Timeout, match="held by node 6"):
+    with pytest.raises(Timeout, match="held by node 6"):
         t.wait_for(lambda: t.take(1), 0.2, lambda: f"held by node {sorted(got.holders)[0]}")
     assert time.monotonic() - t0 >= 0.2
 

@@ -44,16 +44,6 @@ def test_bad_relay_options_are_config_errors():
         mq.create("inproc", 0, relay_min_bytes=0)
 
 
-@pytest.fixture
-def two_hosts():
-    from mq.tools.netns import Hosts, unavailable
-
-    if os.geteuid() != 0 or unavailable():
-        pytest.skip(unavailable() or "needs root for network namespaces")
-    with Hosts(2, root=True) as hosts:
-        yield hosts
-
-
 class Cluster:
     """The publisher (node 0, here) and ``per_host`` subscribers on each host, numbered from 1
     host by host: with two hosts and two per host, nodes 1, 2 on host 0, 3, 4 on host 1."""

@@ -1,4 +1,4 @@
-"""Hostile peers against a live node, on every surface it listens on (DESIGN.md, "Trust").
+"""Hostile peers against a live node, on every surface it listens on (docs/concepts/trust.md).
 
 A legit peer exchanges messages and calls with the node the whole time and must see every one
 answered, in order. Meanwhile a faulty insider (joined with the job's secret) sends malformed

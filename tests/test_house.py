@@ -188,3 +188,89 @@ def test_data_paths_do_not_import_each_other():
     shared = sorted(graph["mq.datapath"] & set().union(*families.values()))
     assert not shared, f"mq.datapath (what the paths share) imports a path: {shared}"
     assert families["shm"] >= {"mq.shm_path", "mq.shm"} and families["nvlink"] >= {"mq.gpu_path", "mq.cuda_ipc"}
+
+
+# ---------------------------------------------------------------------- one way to wait (issue 45)
+#: Where code may block on a lock, condition, event or queue: the one waiting module. Tools
+#: (bench, load, netns), and the test kits mq ships for users' own tests, are not the library.
+WAITING_MODULE = "mq/waits.py"
+NOT_THE_LIBRARY = ("mq/tools/", "mq/testing.py", "mq/conformance.py")
+#: Primitives a thread can block on: made only in the waiting module (a lock for a short
+#: critical section, ``with lock:``, is fine anywhere; waiting on one is not).
+_PRIMITIVES = {"Condition", "Event", "Semaphore", "BoundedSemaphore", "Barrier", "Queue", "SimpleQueue",
+               "LifoQueue", "PriorityQueue", "JoinableQueue", "Timer"}
+
+
+def blocking_outside_waits(source: str) -> list[str]:
+    """What in ``source`` blocks, or makes something to block on, other than through
+    :mod:`mq.waits`: a condition, event, semaphore or queue made here; a lock acquired in any way
+    but a non-blocking try; a sleep; a thread, process or future waited for."""
+    found = []
+    tree = ast.parse(source)
+    waits = {"waits"} | {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                         and node.module == "mq" for a in node.names if a.name == "waits"}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func, text = node.func, ast.unparse(node)[:80]
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        receiver = func.value if isinstance(func, ast.Attribute) else None
+        if isinstance(receiver, ast.Name) and receiver.id in waits:
+            continue  # mq.waits' own helpers
+        if receiver is not None and ast.unparse(receiver).endswith("cuda"):
+            continue  # a CUDA event orders GPU work; no thread waits on it here
+        if name in _PRIMITIVES and name != "Timer":
+            found.append(f"{node.lineno}: makes a {name} ({text})")
+        elif name == "acquire" and not (
+                (node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value is False)
+                or any(k.arg == "blocking" and isinstance(k.value, ast.Constant) and k.value.value is False
+                       for k in node.keywords)):
+            found.append(f"{node.lineno}: waits for a lock ({text})")
+        elif name == "sleep" and (receiver is None or (isinstance(receiver, ast.Name) and receiver.id == "time")):
+            found.append(f"{node.lineno}: sleeps ({text})")
+        elif name == "result":
+            found.append(f"{node.lineno}: waits for a future ({text})")
+        elif name == "join" and receiver is not None and not isinstance(receiver, ast.Constant) and not (
+                (isinstance(receiver, ast.Attribute) and receiver.attr == "path")
+                or (isinstance(receiver, ast.Name) and receiver.id in ("os", "posixpath", "shlex"))):
+            found.append(f"{node.lineno}: waits for a thread or process ({text})")
+    return found
+
+
+def test_code_in_mq_blocks_only_through_the_waiting_module():
+    """Issue 45: every blocking operation goes through mq.waits, which ends it on a lost peer,
+    a stop or its deadline, and looks again at a bounded interval. Anything that blocks
+    elsewhere could miss the wake-up that ends it (a dead peer's, a stop's)."""
+    offenders = []
+    for path in sorted((ROOT / "mq").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel == WAITING_MODULE or rel.startswith(NOT_THE_LIBRARY):
+            continue
+        offenders += [f"{rel}:{hit}" for hit in blocking_outside_waits(path.read_text())]
+    assert not offenders, "blocks outside mq/waits.py (use mq.waits):\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("snippet", [
+    "import threading\nc = threading.Condition()",
+    "import queue\nq = queue.SimpleQueue()",
+    "from threading import Event\ne = Event()",
+    "lock.acquire(timeout=1.0)",
+    "lock.acquire()",
+    "import time\ntime.sleep(0.1)",
+    "fut.result(timeout=3)",
+    "self._thread.join(2.0)",
+])
+def test_the_waiting_rule_catches_each_way_to_block(snippet):
+    assert blocking_outside_waits(snippet), snippet
+
+
+@pytest.mark.parametrize("snippet", [
+    "with self._lock:\n    x = 1",
+    "self._lock.acquire(False)",
+    "lock.acquire(blocking=False)",
+    "', '.join(names)",
+    "os.path.join(a, b)",
+    "from mq import waits as _w\n_w.join(thread, 1.0)",  # the waiting module's own helpers
+])
+def test_the_waiting_rule_lets_critical_sections_and_strings_be(snippet):
+    assert not blocking_outside_waits(snippet), snippet

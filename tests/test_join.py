@@ -178,3 +178,33 @@ def test_a_hello_nobody_answered_is_sent_again_and_joins_a_late_peer():
         assert 2.5 <= joined - first < 8.0, f"joined {joined - first:.1f}s after the first HELLO"
     finally:
         newcomer.stop(timeout=1.0)
+
+
+def test_a_join_whose_answer_comes_after_the_next_greeting_completes():
+    """Issue 45: under load a node answered a HELLO after its greeter had greeted again. The
+    greeter refused the late answer (its greeting had been replaced) and closed the link it came
+    on; the answerer then sent every later answer on that dead link, and the join never finished
+    ("peers [..] did not join ... no answer from tcp://..."). Earlier greetings now stay valid,
+    and a link the peer closed is not reused."""
+    import subprocess
+    import sys
+
+    from mq import join
+
+    delay = join.REGREET_S + 1.5
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.slow_join", "1", str(delay)], cwd=repo,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+        assert address.startswith("tcp://"), address
+        q = mq.create("nng", 0, attach_to=[address], timeout=30)
+        with q:
+            t0 = time.monotonic()
+            q.wait_for_peers(ids=[1], timeout=delay + 10)
+            assert time.monotonic() - t0 >= delay - 1.0  # (the answer was held up as meant)
+            assert proc.stdout.readline().strip() == "joined"
+            assert q.stats().rejected.get("unsolicited_ack", 0) == 0, q.stats().rejected
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -349,7 +349,9 @@ def test_a_waiter_spins_while_answers_come_fast_and_sleeps_once_they_come_late(l
     with pong_pair(**LINKS[links]) as q:
         spin = q.transport.busy_poll
         ping(q, 300, 0.0)
-        assert spin.found >= 1, (spin.spun, spin.found)  # a prompt answer was met spinning
+        # a prompt answer was met spinning, unless the machine was crowded (every core taken:
+        # then spinning only costs the waiter its turn, and it stops: mq.backends.nng.busypoll)
+        assert spin.found >= 1 or spin.crowded >= 1, (spin.spun, spin.found, spin.crowded)
         ping(q, 3, 0.02)  # answers 20 ms late: 40x the window
         spun = spin.spun
         ping(q, 30, 0.02)
@@ -371,3 +373,42 @@ def test_busy_poll_off_never_spins(links):
     with pong_pair(busy_poll=False, **LINKS[links]) as q:
         ping(q, 100, 0.0)
         assert (q.transport.busy_poll.spun, q.transport.busy_poll.found) == (0, 0)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "ipc"])
+def test_a_frame_nng_itself_drops_is_counted(kind):
+    """Issue 45: a frame over max_frame_bytes sent to NNG's own port is dropped by NNG (its
+    receive bound) before mq sees it; it must still be counted, by cause, like one on mq's
+    links. An orderly join and goodbye count nothing."""
+    import pynng
+
+    q = mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", max_frame_bytes=1 << 16, timeout=10)
+    with q:
+        peer = mq.create("nng", 1, attach_to=[q.addresses["tcp"]], protocol="tcp", tcp_links=False, timeout=10)
+        with peer:  # an orderly peer on NNG's own tcp (bootstrap, data): joins, sends, leaves
+            q.wait_for_peers(ids=[1], timeout=10)
+            q.subscribe("w")
+            peer.wait_for_subscribers("w", 1, timeout=10)
+            peer.send(0, "w", b"ok")
+            assert q.recv(timeout=10).payload == b"ok"
+        time.sleep(0.5)
+        assert q.stats().dropped.get("nng_closed", 0) == 0, q.stats().dropped
+        push = pynng.Push0(send_timeout=2000)
+        push.dial(q.addresses[kind], block=True)
+        try:
+            push.send(b"x" * (1 << 17))  # twice the bound: NNG closes the connection
+            deadline = time.monotonic() + 10
+            while q.stats().dropped.get("nng_closed", 0) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            push.close()
+        stats = q.stats()
+        assert stats.dropped.get("nng_closed", 0) >= 1, stats
+        assert q.metrics()["drops"]["nng_closed"] >= 1
+
+
+def test_a_socket_nobody_closed_collected_on_nngs_thread_does_not_hang_the_process(tmp_path):
+    # Without mq.backends.nng.orphans this process hangs in nng_close (its reaper waits for itself).
+    job = subprocess.run([sys.executable, "-m", "tests.jobs.orphan_socket", str(tmp_path)],
+                         capture_output=True, text=True, timeout=30)
+    assert job.returncode == 0 and job.stdout.strip() == "ok", job.stderr[-2000:]

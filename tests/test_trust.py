@@ -39,6 +39,9 @@ def learner():
         q.subscribe("work")
         q.on("echo", lambda x: x)
         yield q
+        # These tests SIGKILL their peer: a frame it had not yet confirmed (its call's request,
+        # answered but not acknowledged) is reported by stop(), rightly, and is not what they test.
+        q.stop(raise_undelivered=False)
 
 
 def peer(q: mq.MQ, mode: str = "hang", node_id: int = 1, pre: list[str] | None = None,

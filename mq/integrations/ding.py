@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import mq
+from mq.waits import Flag
 from mq import auth
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
 from mq.backend import LocalJob
@@ -126,8 +127,8 @@ class MQOnDing(DingMQ):
                            **mq_spec.options)
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # subscribed before listen() finished
-        self._ready = threading.Event()  # listen() finished (or failed)
-        self._stopped = threading.Event()
+        self._ready = Flag()  # listen() finished (or failed)
+        self._stopped = Flag()
         self._error: Optional[BaseException] = None
         self._held = _HeldEvents()
         self._warned: set[str] = set()

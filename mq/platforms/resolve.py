@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from mq import waits
 from mq.errors import ConfigError
 
 
@@ -48,7 +49,7 @@ def resolve_hosts(hosts: Sequence[str], source: str = "", *, timeout_s: float = 
         t.start()
     deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+        waits.join(t, deadline - time.monotonic())
     where = f" (from {source})" if source else ""
     fix = "add it to DNS or /etc/hosts on every host, or fix the name"
     for host in unique:

@@ -1,5 +1,5 @@
-"""``mq bench --device cuda``: the pass lines of mq's GPU data path (../shared/GPU.md, "One
-command on a GPU machine"), checked on a report's rows.
+"""``mq bench --device cuda``: the pass lines of mq's GPU data path (docs/guides/gpu.md),
+checked on a report's rows.
 
 For each mq type measured with CUDA payloads on one host (``nng``, ``torchrpc:cuda``), one way:
 

@@ -1,4 +1,4 @@
-"""Fuzzing every parser that reads bytes from the network (DESIGN.md, "Trust").
+"""Fuzzing every parser that reads bytes from the network (docs/concepts/trust.md).
 
 - :mod:`tests.fuzz.targets`: one function per parser, taking the fuzzer's bytes. It returns
   when the parser took the input or refused it with :class:`mq.errors.ProtocolError`; any

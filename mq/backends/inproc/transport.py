@@ -9,8 +9,8 @@ every other transport against.
 
 from __future__ import annotations
 
+import collections
 import itertools
-import queue
 import threading
 import time
 from typing import Any
@@ -19,6 +19,7 @@ from mq.backends.inproc import BACKEND
 from mq.backends.inproc.options import SCHEME as _SCHEME
 from mq.backends.inproc.options import InprocOptions
 from mq.codec import Frame, split
+from mq import waits as _waits
 from mq.errors import ConfigError, PeerLost, ProtocolError, Timeout
 from mq.routing import Route
 from mq.transport import Events, Transport
@@ -39,7 +40,8 @@ class InprocTransport(Transport):
         self.node_id = node_id
         self.address = options.listen_to or f"{_SCHEME}node-{node_id}-{next(_names)}"
         self.attach_to = list(options.attach_to)
-        self._inbox: queue.Queue = queue.Queue(options.inbox_size)
+        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()  # (sender, frame)
+        self._inbox_size = options.inbox_size
         self.addresses: dict[str, str] = {}
         self._links: dict[int, InprocTransport] = {}
         self._node: Events | None = None
@@ -58,16 +60,15 @@ class InprocTransport(Transport):
         return list(self.attach_to)
 
     def greet(self, target: str, frame: Frame, token: str) -> None:
-        deadline = time.monotonic() + 30.0
-        while True:  # like a dial: wait (bounded) for the target to listen
-            with _REGISTRY_LOCK:
-                other = _REGISTRY.get(target)
-            if other is not None or time.monotonic() > deadline or self._closed:
-                break
-            time.sleep(0.01)
+        try:  # like a dial: wait (bounded) for the target to listen
+            _waits.ALWAYS.until(lambda: target in _REGISTRY or self._closed, time.monotonic() + 30.0, every=0.01)
+        except Timeout:
+            pass
+        with _REGISTRY_LOCK:
+            other = _REGISTRY.get(target)
         if other is None:
             raise PeerLost(f"nothing listens on {target!r} in this process")
-        other._put(self.address, frame.to_bytes(), 30.0)
+        other._put(self.address, frame.to_bytes(), 30.0, self._waiting())
 
     def reply_target(self, info: dict[str, Any]) -> str | None:
         address = (info.get("addresses") or {}).get("inproc")
@@ -84,23 +85,34 @@ class InprocTransport(Transport):
         other = self._links.get(peer)
         if other is None or other._closed:
             raise PeerLost(f"node {peer} has no open link from node {self.node_id}")
-        other._put(self.address, frame.to_bytes(), timeout)
+        other._put(self.address, frame.to_bytes(), timeout, self._waiting(), peer)
         return None
 
     def disconnect(self, peer: int) -> None:
         self._links.pop(peer, None)
 
-    def _put(self, sender: str, data: bytearray, timeout: float) -> None:
-        try:
-            self._inbox.put((sender, data), timeout=timeout)
-        except queue.Full:
-            raise Timeout(f"node did not take the message within {timeout:g}s: its queue is full") from None
+    def _waiting(self) -> _waits.Waits:
+        return _waits.of(self._node) if self._node is not None else _waits.ALWAYS
+
+    def _put(self, sender: str, data: bytearray, timeout: float, waits: _waits.Waits | None = None,
+             peer: int | None = None) -> None:
+        """Into this node's inbox; a full one makes the sender wait (through its own node's
+        waits: polled, as this node wakes only its own)."""
+        if len(self._inbox) >= self._inbox_size:
+            (waits or _waits.ALWAYS).until(lambda: len(self._inbox) < self._inbox_size or self._closed, time.monotonic() + timeout,
+                        peers=() if peer is None else (peer,), every=0.005, states=_waits.LIVE_OR_STOPPING,
+                        what=f"node did not take the message within {timeout:g}s: its queue is full")
+        self._inbox.append((sender, data))
+        self._waiting().wake(self)
 
     def _loop(self) -> None:
+        inbox = self._inbox
         while not self._closed:
+            if not inbox and not self._waiting().pause(lambda: inbox or self._closed, 0.5, on=(self,)):
+                continue
             try:
-                sender, data = self._inbox.get(timeout=0.1)
-            except queue.Empty:
+                sender, data = inbox.popleft()
+            except IndexError:  # (closed)
                 continue
             node = self._node
             assert node is not None
@@ -125,6 +137,7 @@ class InprocTransport(Transport):
             for peer, link in list(other._links.items()):
                 if link is self and other._node is not None:
                     other._node.on_link_lost(peer, "disconnected (it closed)")
+        self._waiting().wake(self)
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            _waits.join(self._thread, timeout)
 

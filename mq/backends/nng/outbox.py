@@ -19,7 +19,8 @@ from pynng import ffi, lib
 from mq.backends.nng.wire import (BATCH_BYTES, BATCH_FRAME_MAX, batch_message, new_msg,
                                   raise_send_error)
 from mq.codec import ALIGN, Frame
-from mq.errors import ClosedError, Timeout
+from mq.errors import ClosedError
+from mq.waits import LIVE_OR_STOPPING, Waits
 
 log = logging.getLogger("mq.nng")
 
@@ -36,7 +37,7 @@ class Outbox:
     the flusher take the GIL, which splits a stream into batches of one or two."""
 
     def __init__(self, sock: pynng.Push0, limit: int, name: str, batch_window: float = 0.0,
-                 received: Callable[[], int] = lambda: 0):
+                 received: Callable[[], int] = lambda: 0, waits: Waits | None = None):
         self.sock = sock
         self.limit = limit
         self.name = name
@@ -44,16 +45,22 @@ class Outbox:
         self.received = received  # the transport's count of messages received
         self._last_sent = -1.0  # perf_counter() of the last send, and what had been received then
         self._last_received = -1
-        self.cond = threading.Condition()
+        self.cond = threading.RLock()  # its state; waits go through the node's (on the outbox)
+        self.waits = waits or Waits()
         # Copies of the frames, oldest first: bytearrays (small, batched) or NNG messages (sent alone).
         self.pending: list[Any] = []
         self.flushing = False  # the flusher holds a batch taken from ``pending``
         self.closed = False
         self._flusher: threading.Thread | None = None
-        self._flusher_idle = False  # waiting for frames: a queued frame must wake it
+        self._flusher_idle = False  # (kept for the tests' view of it)
         self.queued = 0  # frames that went through ``pending`` (the rest went straight to NNG)
 
     def send(self, peer: int, frame: Frame, timeout: float) -> None:
+        if len(self.pending) >= self.limit and not self.closed:  # behind a full outbox: wait for room
+            self.waits.until(lambda: len(self.pending) < self.limit or self.closed, time.monotonic() + timeout,
+                             on=(self,), peers=(peer,), states=LIVE_OR_STOPPING,
+                             what=f"node {peer} did not take the message within {timeout:g}s: its queue is "
+                                  "full (slow receiver) or it is unreachable; pass timeout= to wait longer")
         with self.cond:
             streaming = False
             if self.batch_window:  # off by default: no clock read per send then
@@ -70,15 +77,6 @@ class Outbox:
                     raise_send_error(rv)
                 self._queue(msg)  # the pipe is busy (or still connecting)
                 return
-            if len(self.pending) >= self.limit:
-                deadline = time.monotonic() + timeout
-                while len(self.pending) >= self.limit and not self.closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise Timeout(f"node {peer} did not take the message within {timeout:g}s: its "
-                                      "queue is full (slow receiver) or it is unreachable; pass "
-                                      "timeout= to wait longer")
-                    self.cond.wait(left)
             if self.closed:
                 raise ClosedError("the link was closed while sending (the queue is stopping)")
             self._queue(frame.to_bytes() if frame.size <= BATCH_FRAME_MAX else new_msg(frame))
@@ -89,36 +87,38 @@ class Outbox:
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_loop, daemon=True, name=self.name)
             self._flusher.start()
-        elif self._flusher_idle:  # else it finds the frame when its send returns
-            self.cond.notify_all()
+        else:  # else it finds the frame when its send returns
+            self.waits.wake(self)
 
     def _flush_loop(self) -> None:
         # No send timeout: a blocking send with one arms NNG's timer thread per message; close()
         # ends a send waiting on a peer that stopped reading.
         self.sock.send_timeout = -1
         while True:
+            if not self.pending and not self.closed:
+                self._flusher_idle = True
+                self.waits.pause(lambda: self.pending or self.closed, 1.0, on=(self,))
+                self._flusher_idle = False
+                continue
             with self.cond:
-                while not self.pending and not self.closed:
-                    self._flusher_idle = True
-                    self.cond.wait()
-                    self._flusher_idle = False
                 if self.closed:
                     return
                 batch = self._take_batch()
                 self.flushing = True
-                self.cond.notify_all()  # room in ``pending`` for waiting senders
+            self.waits.wake(self)  # room in ``pending`` for waiting senders
             msg = batch_message(batch) if type(batch[0]) is bytearray else batch[0]
             rv = lib.nng_sendmsg(self.sock.socket, msg, 0)
             with self.cond:
                 self.flushing = False
-                self.cond.notify_all()
                 if rv != 0:
                     lib.nng_msg_free(msg)
                     if rv != lib.NNG_ECLOSED:
                         log.warning("%s: dropped %d frame(s): %s", self.name, len(batch),
                                     ffi.string(lib.nng_strerror(rv)).decode())
                     self._close_locked()
-                    return
+            self.waits.wake(self)  # (a close lingering for the last frames)
+            if rv != 0:
+                return
 
     def _take_batch(self) -> list[Any]:
         """The oldest pending frame, plus the small ones after it that fit one message."""
@@ -138,9 +138,9 @@ class Outbox:
     def close(self, linger: float = 0.0) -> None:
         """Close now, dropping what is still queued; with ``linger``, first let the flusher send
         it for up to that many seconds (our own stop: answers queued last still go out)."""
+        if linger > 0:
+            self.waits.pause(lambda: self.closed or not (self.pending or self.flushing), linger, on=(self,))
         with self.cond:
-            if linger > 0:
-                self.cond.wait_for(lambda: self.closed or not (self.pending or self.flushing), linger)
             self._close_locked()
         self.sock.close()  # ends a flusher's send waiting on the peer
 
@@ -150,4 +150,4 @@ class Outbox:
             if type(item) is not bytearray:
                 lib.nng_msg_free(item)
         self.pending = []
-        self.cond.notify_all()
+        self.waits.wake(self)

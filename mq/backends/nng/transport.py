@@ -40,13 +40,16 @@ from mq.backends.nng.links import tcp as tcplink
 from mq.backends.nng.links import unix as unixlink
 from mq.backends.nng.links.base import Sender
 from mq.backends.nng.busypoll import BusyPoll
+from mq.backends.nng.drops import NngDrops
+from mq.backends.nng import orphans  # noqa: F401  (pynng sockets GC-closed off NNG's threads)
 from mq.backends.nng.options import NngOptions, check_address
 from mq.backends.nng.outbox import Outbox
 from mq.backends.nng.wire import msg_view, send_msg
 from mq.codec import ALIGN, Frame, split, split_batch
 from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError
 from mq.locality import local
-from mq.reader_token import GRACE_S, ReaderToken
+from mq import waits
+from mq.reader_token import ReaderToken
 from mq.rendezvous import Rendezvous, attach_targets
 from mq.routing import Route
 from mq.transport import Events, Transport
@@ -95,6 +98,7 @@ class NngTransport(Transport):
         self._bootstrap_to: dict[str, str] = {}  # target -> its latest greeting token
         self._reader: threading.Thread | None = None
         self._token = ReaderToken()  # who takes frames off the inbox: a recv() caller or _read_loop
+        self._waits = waits.Waits()  # the node's, from start()
         self._recv_timeout_ms = -1
         self._recv_fd = -1
         self._wake_r = self._wake_w = -1  # a pipe that wakes the I/O thread on close()
@@ -108,12 +112,16 @@ class NngTransport(Transport):
         self._watched: dict[int, tuple[int, Sender]] = {}
         self._links_gen = 0
         self._pollers = threading.local()
+        self._drops = NngDrops()  # what NNG itself dropped on our inbox (mq.backends.nng.drops)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, node: Events) -> list[str]:
         self._node = node
+        self._waits = waits.of(node)
+        self._token = ReaderToken(self._waits)
+        self._waits.reader_wanted = self._token.wake  # a wait for peers' frames: read them now
         self._state = "listening"
-        tls = {"tls_config": self._tls_config(pynng.TLSConfig.MODE_SERVER)} if self._tls else {}
+        tls = {"tls_config": _tls_config(self._tls, pynng.TLSConfig.MODE_SERVER)} if self._tls else {}
         sock = pynng.Pull0(recv_buffer_size=self.send_buffer, recv_max_size=node.max_frame_bytes, **tls)
         self._inbox_sock = sock
         self._wake_r, self._wake_w = os.pipe()
@@ -124,11 +132,13 @@ class NngTransport(Transport):
                               "(or port 0 for an ephemeral one)") from None
         except pynng.NNGException as exc:
             raise ConfigError(f"cannot listen on {self.listen_to!r}: {exc}") from None
-        self.addresses["tcp"] = self._advertised_tcp(listener)
+        self.addresses["tcp"] = _advertised_tcp(self.listen_to, listener, bool(self._tls))
         token = f"{os.getpid()}-{self.node_id}-{self.incarnation[:8]}"
         # An abstract unix socket: no file in /tmp, gone with the process even after SIGKILL.
-        self.addresses["ipc"] = sock.listen(f"abstract://mq-{token}").url
+        ipc = sock.listen(f"abstract://mq-{token}")
+        self.addresses["ipc"] = ipc.url
         self.addresses["inproc"] = sock.listen(f"inproc://mq-{token}").url
+        self._drops.watch(sock, [listener, ipc])
         if self.unix_links:
             self._unix_listener = unixlink.listen(f"mq-{token}-link")
             self.addresses["unix"] = f"mq-{token}-link"
@@ -154,21 +164,6 @@ class NngTransport(Transport):
                         for peer in attach_targets(self.node_id, list(nodes), self.options.topology)]
         return targets
 
-    def _advertised_tcp(self, listener: pynng.Listener) -> str:
-        host, _, _ = self.listen_to[len("tcp://"):].rpartition(":")
-        # str() of the bound address carries the real port (pynng's .port is network byte order)
-        port = str(listener.local_address).rpartition(":")[2]
-        if host in ("0.0.0.0", "*", "", "[::]"):
-            host = os.environ.get("MQ_ADVERTISE_HOST") or local().hostname
-        return f"{'tls+' if self._tls else ''}tcp://{host}:{port}"
-
-    def _tls_config(self, mode: int, server_name: str | None = None) -> pynng.TLSConfig:
-        files = self._tls
-        assert files is not None
-        return pynng.TLSConfig(mode, ca_string=files["ca"], own_cert_string=files["cert"],
-                               own_key_string=files["key"], server_name=server_name,
-                               auth_mode=pynng.TLSConfig.AUTH_MODE_REQUIRED)
-
     def _push(self, address: str, **options: Any) -> pynng.Push0:
         """An outgoing socket for ``address``, with a TLS client config for tls+tcp."""
         if address.startswith("tls+tcp://"):
@@ -176,7 +171,7 @@ class NngTransport(Transport):
                 raise ConfigError(f"{address} wants TLS: give this node tls={{'cert':..., 'key':..., "
                                   "'ca':...}} like its peers")
             host = tcplink.split_address(address)[0]
-            options["tls_config"] = self._tls_config(pynng.TLSConfig.MODE_CLIENT, host)
+            options["tls_config"] = _tls_config(self._tls, pynng.TLSConfig.MODE_CLIENT, host)
         return pynng.Push0(**options)
 
     def close(self, timeout: float) -> None:
@@ -206,7 +201,7 @@ class NngTransport(Transport):
             os.write(self._wake_w, b"x")  # wake the I/O thread from poll()
         self._token.stop()
         if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(max(0.0, deadline - time.monotonic()))
+            waits.join(self._reader, deadline - time.monotonic())
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 os.close(fd)
@@ -218,14 +213,24 @@ class NngTransport(Transport):
                           send_timeout=int(self.timeout * 1000))
         sock.dial(target, block=False)  # retries until the peer listens
         with self._net_lock:
-            self._bootstrap[token] = sock
-            # A new greeting of the same target replaces the unanswered one.
-            old = self._bootstrap.pop(self._bootstrap_to.pop(target, ""), None)
-            self._bootstrap_to[target] = token
+            if self._state == "stopped":  # close() has run: it would never close this one
+                old = sock
+            else:
+                self._bootstrap[token] = sock
+                # A new greeting of the same target replaces the unanswered one.
+                old = self._bootstrap.pop(self._bootstrap_to.pop(target, ""), None)
+                self._bootstrap_to[target] = token
         if old is not None:
             old.close()
+        if old is sock:
+            return
         # The frame waits in the socket's buffer until the connection is up.
         send_msg(sock, frame)
+
+    def greeting_connected(self, token: str) -> bool | None:
+        with self._net_lock:
+            sock = self._bootstrap.get(token)
+        return None if sock is None else bool(sock.pipes)
 
     def reply_target(self, info: dict[str, Any]) -> str | None:
         address = (info.get("addresses") or {}).get("tcp")
@@ -250,10 +255,11 @@ class NngTransport(Transport):
         if (unix or own_tcp) and not self._is_current(peer, info):
             try:  # outside the lock: a peer slow to accept must not hold up every other link
                 if unix is not None:
-                    link = unixlink.Outbound(unix, min(self.timeout, 5.0), lambda: self._outbound_lost(peer))
+                    link = unixlink.Outbound(unix, min(self.timeout, 5.0), lambda: self._outbound_lost(peer),
+                                             self._waits)
                 else:
                     link = tcplink.Outbound(own_tcp, min(self.timeout, _LINK_CONNECT_S),
-                                            lambda: self._outbound_lost(peer))
+                                            lambda: self._outbound_lost(peer), self._waits)
             except OSError as exc:
                 # A unix link's abstract name is not in our network namespace (a container
                 # sharing only IPC): NNG's abstract ipc socket would not be either, tcp reaches
@@ -264,7 +270,7 @@ class NngTransport(Transport):
                 if not isinstance(address, str):
                     raise ProtocolError(f"node {peer} advertised no tcp address") from None
         with self._net_lock:
-            if self._is_current(peer, info):
+            if self._is_current(peer, info) or self._state == "stopped":
                 if link is not None:
                     link.close()
                 return
@@ -303,7 +309,7 @@ class NngTransport(Transport):
     def _dial_peer(self, peer_id: int, address: str) -> "Outbox":
         sock = self._push(address, send_buffer_size=self.send_buffer)
         box = Outbox(sock, self.send_buffer, f"mq{self.node_id}-to-{peer_id}", self.batch_window,
-                      lambda: self.received)
+                      lambda: self.received, self._waits)
 
         def removed(_pipe: Any) -> None:
             # The peer's process died or closed: a later send fails fast with PeerLost.
@@ -322,6 +328,9 @@ class NngTransport(Transport):
         box.send(peer, frame, timeout)
         return None
 
+    def native_drops(self) -> dict[str, int]:
+        return self._drops.counts()
+
     def streams_to(self, peer: int) -> bool:
         # mq's tcp link sends a frame piece by piece: it can wait for each piece to arrive.
         return type(self._out.get(peer)) is tcplink.Outbound
@@ -334,14 +343,14 @@ class NngTransport(Transport):
         sock = self._inbox_sock
         assert sock is not None
         token = self._token
+        stopped = lambda: self._state == "stopped"  # noqa: E731
         while self._state == "listening":
-            with token.changed:
-                # While a recv() caller reads, or just did (it is likely in a loop and back within
-                # a few ms), stay out of its way: waking up per frame would cost it the GIL. We
-                # look again every grace period instead of being told: a caller waking this
-                # thread each time it leaves recv() cost a small round trip ~150 us.
-                while self._state != "stopped" and (wait := token.wait_s()) > 0:
-                    token.changed.wait(min(wait, GRACE_S))
+            # While a recv() caller reads, or just did (it is likely in a loop and back within a
+            # few ms), stay out of its way: waking up per frame would cost it the GIL. We look
+            # again after a while instead of being told (a caller waking this thread each time
+            # it leaves recv() cost a small round trip ~150 us), less often the longer callers
+            # keep reading (see mq.reader_token).
+            token.await_turn(stopped)
             # Releases the GIL; wakes when a frame waits, a link comes or goes, or stop() pokes us.
             events = self._poller(recv_fd).poll(500)
             if token.callers:
@@ -466,12 +475,19 @@ class NngTransport(Transport):
             self._outbound_lost(peer, fd)
 
     def _outbound_lost(self, peer: int, fd: int | None = None) -> None:
+        """Our link to ``peer`` is gone: forget it (a later connect opens a new one: a node still
+        joining, whose first link the peer closed, must not be answered on the dead one again:
+        issue 45's join that never finished) and tell the node."""
         with self._net_lock:
             box = self._out.get(peer)
             if not isinstance(box, Sender) or (fd is not None and box.fd != fd):
                 box = None
+            if box is not None:
+                self._forget_out(peer)
             if fd is not None and self._watched.pop(fd, None) is not None:
                 self._links_gen += 1  # level-triggered: stop watching it, or poll() would spin
+        if box is not None:
+            box.close()
         if box is not None and self._state == "listening" and self._node:
             self._node.on_link_lost(peer, "disconnected (its process died or closed the link)")
 
@@ -524,6 +540,7 @@ class NngTransport(Transport):
         self.received += 1
         pipe = lib.nng_msg_get_pipe(msg)
         link = ("pipe", lib.nng_pipe_id(pipe))
+        self._drops.delivered.add(link[1])
         message = msg_view(msg)
         node = self._node
         assert node is not None
@@ -545,3 +562,18 @@ class NngTransport(Transport):
             node.on_dropped(f"frame in a message from {link}: {exc}", exc.cause)
 
 
+def _advertised_tcp(listen_to: str, listener: pynng.Listener, tls: bool) -> str:
+    """The tcp address peers dial for a node listening on ``listen_to`` (its real port; the
+    host's name, or MQ_ADVERTISE_HOST, for a wildcard address)."""
+    host, _, _ = listen_to[len("tcp://"):].rpartition(":")
+    # str() of the bound address carries the real port (pynng's .port is network byte order)
+    port = str(listener.local_address).rpartition(":")[2]
+    if host in ("0.0.0.0", "*", "", "[::]"):
+        host = os.environ.get("MQ_ADVERTISE_HOST") or local().hostname
+    return f"{'tls+' if tls else ''}tcp://{host}:{port}"
+
+
+def _tls_config(files: dict[str, str], mode: int, server_name: str | None = None) -> pynng.TLSConfig:
+    return pynng.TLSConfig(mode, ca_string=files["ca"], own_cert_string=files["cert"],
+                           own_key_string=files["key"], server_name=server_name,
+                           auth_mode=pynng.TLSConfig.AUTH_MODE_REQUIRED)

@@ -19,7 +19,7 @@ frames behind.
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 from typing import Any, Callable, Mapping
 
@@ -28,8 +28,10 @@ import torch
 from mq.backends.torchrpc.streams import Inbound, Link
 from mq.backends.torchrpc.wire import WANT, frame_parts, latin1, settle_cuda
 from mq.errors import ClosedError, ProtocolError
+from mq import waits
 from mq.reader_token import ReaderToken
 from mq.transport import Events
+from mq.waits import Flag, Waits
 
 # Frames the delivery thread delivers before it looks again whether a caller came.
 _BATCH = 64
@@ -56,18 +58,22 @@ class Receiver:
         self._send_credit = send_credit
         self._inbound = {p: Inbound() for p in links}
         self._lock = threading.Lock()  # per-sender order and counts (self._inbound)
-        # (sender, (text, buffers)) in delivery order, None to stop: a C queue, as this hand-off
-        # (TensorPipe thread -> reader) is on every frame's path
-        self._ready: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        # (sender, (text, buffers)) in delivery order, None to stop: a deque (append and popleft
+        # are atomic), as this hand-off (TensorPipe thread -> reader) is on every frame's path
+        self._ready: collections.deque[tuple[int, Any] | None] = collections.deque()
         self._token = ReaderToken()  # held by the one thread taking frames off _ready
         self._idle = False  # the delivery thread waits for a frame: on_rpc must wake it
         self._stop = False
-        self.rpc_ready = threading.Event()  # the agent can answer: delivery may start
+        self.rpc_ready = Flag()  # the agent can answer: delivery may start
         self._thread: threading.Thread | None = None
         self._node: Events | None = None
+        self._waits = Waits()
 
     def start(self, node: Events) -> None:
         self._node = node
+        self._waits = waits.of(node)
+        self._token = ReaderToken(self._waits)
+        self.rpc_ready = Flag(self._waits)
         self._thread = threading.Thread(target=self._delivery_loop, daemon=True,
                                         name=f"mq{self.node_id}-rpc-io")
         self._thread.start()
@@ -80,13 +86,15 @@ class Receiver:
         """Deliver nothing more (the thread ends after the frame it may be delivering; a caller
         reading gets :class:`~mq.errors.ClosedError`)."""
         self._stop = True
-        self._ready.put(None)
+        self._ready.append(None)
+        self._waits.wake(self._ready)
         self.rpc_ready.set()
         self._token.stop()
 
-    def join(self, timeout: float) -> None:
+    def finish(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the delivery thread to end (after :meth:`stop`)."""
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            waits.join(self._thread, timeout)
 
     def on_rpc(self, sender: Any, seq: Any, ack: Any, text: str, buffers: list[torch.Tensor]) -> int:
         """A frame arrived (TensorPipe thread): park it in order; never blocks."""
@@ -111,10 +119,11 @@ class Receiver:
                 return inbound.report()
             inbound.held[seq] = (text, buffers)
             while inbound.expect in inbound.held:
-                self._ready.put((sender, inbound.held.pop(inbound.expect)))
+                self._ready.append((sender, inbound.held.pop(inbound.expect)))
                 inbound.expect += 1
                 inbound.queued += 1
             credit = inbound.report()
+        self._waits.wake(self._ready)  # a caller waiting in _read_one
         # Wake the delivery thread only when it waits and no caller will take the frame (a caller
         # that leaves frames behind wakes it). _idle is set before the thread looks at _ready,
         # and a caller's count drops before it looks: no wake-up is lost.
@@ -133,26 +142,34 @@ class Receiver:
 
     def _read_one(self, timeout: float) -> None:
         """A caller's read (reader token held): deliver the next frame, waiting up to ``timeout``."""
+        ready = self._ready
         try:
-            item = self._ready.get(timeout=max(0.0, timeout))
-        except queue.Empty:
-            return
+            item = ready.popleft()
+        except IndexError:
+            if not self._waits.pause(lambda: ready, timeout, on=(ready,)):
+                return
+            try:
+                item = ready.popleft()
+            except IndexError:  # (a stop's None is taken by one reader and put back)
+                return
         if item is None:
-            self._ready.put(None)  # for the delivery thread and other callers
+            self._ready.append(None)  # for the delivery thread and other callers
             raise ClosedError("the queue was stopped during recv()")
         self._consume(*item)
 
     def _left_behind(self) -> bool:
-        return self._idle and not self._ready.empty()
+        return self._idle and bool(self._ready)
 
     def _delivery_loop(self) -> None:
-        self.rpc_ready.wait()  # HELLO from a fast peer waits until our agent can answer
+        while not self.rpc_ready.wait(1.0):  # HELLO from a fast peer waits until our agent can answer
+            if self._stop:
+                return
         while self._wait_for_turn():
             with self._token.held():
                 for _ in range(_BATCH):
                     try:
-                        item = self._ready.get_nowait()
-                    except queue.Empty:
+                        item = self._ready.popleft()
+                    except IndexError:
                         break
                     if item is None:
                         return
@@ -165,22 +182,18 @@ class Receiver:
         Nothing polls: a frame wakes this thread while nobody reads (``on_rpc``), a caller
         wakes it only when it leaves frames behind."""
         token = self._token
-        with token.changed:
-            while not self._stop:
-                wait = token.wait_s()
-                if 0 < wait < float("inf"):
-                    token.changed.wait(wait)  # a caller just left: it is likely back soon
-                    continue
-                if wait or self._ready.empty():
-                    self._idle = True  # (before looking at _ready: see on_rpc)
-                    try:
-                        if token.callers or self._ready.empty():
-                            token.changed.wait()
-                    finally:
-                        self._idle = False
-                    continue
+        while not self._stop:
+            token.await_turn(lambda: self._stop, idle_wait=None)
+            if self._stop:
+                return False
+            if self._ready:
                 return True
-            return False
+            self._idle = True  # (before looking at _ready: see on_rpc)
+            try:
+                token.idle(lambda: self._stop or (not token.callers and bool(self._ready)), 1.0)
+            finally:
+                self._idle = False
+        return False
 
     def _consume(self, sender: int, frame: tuple[Any, list[Any]]) -> None:
         """Deliver one in-order frame (reader token held) and count it; credit a blocked sender."""

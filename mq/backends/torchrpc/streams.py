@@ -11,20 +11,22 @@ from typing import Any
 
 import torch
 
+from mq.waits import Waits
+
 
 class Link:
     """Sender side of one stream (this node -> peer): sequence numbers and credit."""
 
-    def __init__(self, peer: int):
+    def __init__(self, peer: int, waits: Waits | None = None):
         self.peer = peer
-        self.cond = threading.Condition(threading.RLock())
+        self.cond = threading.RLock()  # its state; waits on it go through the node's (on the link)
+        self.waits = waits or Waits()
         self.info: Any = None  # rpc.WorkerInfo
         self.next_seq = 0
         self.acked = 0  # frames the peer has consumed
         self.sizes: collections.deque[tuple[int, int]] = collections.deque()  # (seq, nbytes) unacked
         self.bytes = 0
         self.pending = 0  # RPCs not yet answered
-        self.requests: set[Any] = set()  # locks callers of request() wait on (see _wake)
         self.want_out = False
         self.want_acked = -1
         self.want_t = 0.0
@@ -40,7 +42,7 @@ class Link:
             self.acked = consumed
             while self.sizes and self.sizes[0][0] < consumed:
                 self.bytes -= self.sizes.popleft()[1]
-            self.cond.notify_all()
+        self.waits.wake(self)
 
 
 class Inbound:

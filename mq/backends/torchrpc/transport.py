@@ -66,12 +66,14 @@ from mq.backends.torchrpc.wire import (CREDIT, NOT_SERVED, RPC_TIMED_OUT, WANT, 
                                        INLINE_MAX, claim_agent, deliver_script, frame_parts,
                                        keep_thread_state, release_agent, request_script,
                                        rpc_async, settle_cuda, short, to_rpc)
+from mq import waits
 from mq.codec import Frame
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.locality import Locality, local
 from mq.rendezvous import Rendezvous
 from mq.routing import ALL_ROUTES, Route, select_route
 from mq.transport import Events, Receipt, Transport
+from mq.waits import LIVE_OR_STOPPING, Waits
 
 log = logging.getLogger("mq.torchrpc")
 
@@ -145,6 +147,7 @@ class TorchRpcTransport(Transport):
         self._closed = False
         self._rendezvous: Rendezvous | None = None
         self._shutdown_thread: threading.Thread | None = None
+        self._waits = Waits()  # the node's, from start()
 
     @property
     def closed(self) -> bool:
@@ -154,6 +157,9 @@ class TorchRpcTransport(Transport):
     # ------------------------------------------------------------------ lifecycle
     def start(self, node: Events) -> list[int]:
         self._node = node
+        self._waits = waits.of(node)
+        for link in self._links.values():
+            link.waits = self._waits
         claim_agent(self)
         self._rx.start(node)
         remote = self._exchange_localities()
@@ -268,16 +274,12 @@ class TorchRpcTransport(Transport):
             # Flush: wait for frames the peers have not confirmed yet, leaving time to shut down.
             flush_until = deadline - min(1.0, timeout / 2)
             for link in self._links.values():
-                with link.cond:
-                    while link.pending and not link.failed and time.monotonic() < flush_until:
-                        link.cond.wait(min(0.05, max(0.0, flush_until - time.monotonic())))
+                self._waits.pause(lambda link=link: not link.pending or link.failed,
+                                  max(0.0, flush_until - time.monotonic()), on=(link,))
         self._closed = True
         self._rx.stop()
-        for link in self._links.values():
-            with link.cond:
-                link.cond.notify_all()
-                _wake(link.requests)
-        self._rx.join(max(0.0, min(0.5, deadline - time.monotonic())))
+        self._waits.wake_all()  # senders and requests waiting on a link: closed
+        self._rx.finish(max(0.0, min(0.5, deadline - time.monotonic())))
         if not self._rpc_started:
             self._rendezvous = None
             release_agent(self)
@@ -285,8 +287,7 @@ class TorchRpcTransport(Transport):
         self._shutdown_thread = threading.Thread(target=self._shutdown_rpc, daemon=True,
                                                  name=f"mq{self.node_id}-rpc-shutdown")
         self._shutdown_thread.start()
-        self._shutdown_thread.join(max(0.0, deadline - time.monotonic()))
-        if self._shutdown_thread.is_alive():
+        if not waits.join(self._shutdown_thread, deadline - time.monotonic()):
             log.warning("node %d: torch RPC shutdown did not finish within %.1fs (a peer probably "
                         "died); abandoned it: this process cannot start another torch RPC agent",
                         self.node_id, timeout)
@@ -320,30 +321,33 @@ class TorchRpcTransport(Transport):
             raise PeerLost(f"node {peer} is not in this torch RPC group (world_size={self.world_size})")
         encoded = self._tensors(peer, frame)
         buffers = self._buffers_for(peer, encoded)
-        deadline = time.monotonic() + timeout
-        with link.cond:
-            while True:
+
+        def issued() -> Any:
+            """The frame's RPC once the window has room for it (issued under the link's lock, so
+            frames keep their order); None while the peer has not consumed enough."""
+            with link.cond:
                 if self._closed:
                     raise ClosedError("the queue was stopped")
                 if link.failed:
                     raise PeerLost(f"node {peer} {link.failed}")
                 inflight = link.next_seq - link.acked
-                if inflight == 0 or (inflight < self.send_window
-                                     and link.bytes + encoded.nbytes <= self.send_window_bytes):
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Timeout(f"node {peer} did not take the message within {timeout:g}s: "
-                                  f"{inflight} frame(s) ({link.bytes} bytes) wait to be consumed "
-                                  "there (slow receiver or full queue); pass timeout= to wait longer")
-                self._want_credit(link)
-                link.cond.wait(min(left, 0.1))
-            seq = link.next_seq
-            fut = self._issue(link, seq, encoded.text, buffers)
-            link.next_seq += 1
-            link.sizes.append((seq, encoded.nbytes))
-            link.bytes += encoded.nbytes
-            link.pending += 1
+                if not (inflight == 0 or (inflight < self.send_window
+                                          and link.bytes + encoded.nbytes <= self.send_window_bytes)):
+                    self._want_credit(link)
+                    return None
+                seq = link.next_seq
+                fut = self._issue(link, seq, encoded.text, buffers)
+                link.next_seq += 1
+                link.sizes.append((seq, encoded.nbytes))
+                link.bytes += encoded.nbytes
+                link.pending += 1
+                return fut
+
+        fut = self._waits.until(issued, time.monotonic() + timeout, on=(link,), peers=(peer,),
+                                states=LIVE_OR_STOPPING,
+                                what=lambda: f"node {peer} did not take the message within {timeout:g}s: "
+                                             f"{link.next_seq - link.acked} frame(s) ({link.bytes} bytes) wait to be "
+                                             "consumed there (slow receiver or full queue); pass timeout= to wait longer")
         fut.add_done_callback(lambda f, link=link: self._on_reply(link, f))
         if encoded.borrowed:  # the caller waits (all peers of a publish together) before returning
             return lambda: self._wait_received(link, fut)
@@ -365,17 +369,16 @@ class TorchRpcTransport(Transport):
     def _wait_received(self, link: Link, fut: Any, raise_: bool = True) -> MQError | None:
         """Wait until the peer has a frame sent from the caller's memory (bounded: the RPC
         itself fails after ``rpc_timeout``, and a dead peer fails it at once)."""
-        with link.cond:
-            while not fut.done() and not link.failed and not self._closed:
-                link.cond.wait(0.05)
+        self._waits.pause(lambda: fut.done() or link.failed or self._closed or self._lost(link.peer),
+                          float("inf"), on=(link,))
         err: MQError | None = None
         if fut.done():
             try:
                 fut.value()
             except Exception as exc:  # the callback marking the link failed may still be running
                 err = PeerLost(f"node {link.peer} is unreachable (torch RPC: {short(exc)})")
-        elif link.failed:
-            err = PeerLost(f"node {link.peer} {link.failed}")
+        elif link.failed or self._lost(link.peer):
+            err = PeerLost(f"node {link.peer} {link.failed or self._lost(link.peer)}")
         else:
             err = ClosedError("the queue was stopped while a frame was in flight")
         if err is not None and raise_:
@@ -391,37 +394,33 @@ class TorchRpcTransport(Transport):
             raise PeerLost(f"node {peer} is not in this torch RPC group (world_size={self.world_size})")
         out = self._tensors(peer, frame, borrow=True)  # we wait for the answer: the peer has them then
         buffers = self._buffers_for(peer, out)
-        answered = threading.Lock()  # released by the answer, or by _wake (lost link, close)
-        answered.acquire()
         with link.cond:
             if self._closed:
                 raise ClosedError("the queue was stopped")
             if link.failed:
                 raise PeerLost(f"node {peer} {link.failed}")
-            link.requests.add(answered)
         deadline = time.monotonic() + timeout
         try:
-            try:
-                fut = rpc_async(link.info, request_script, (self.node_id, out.text, buffers), timeout)
-            except Exception as exc:
-                if self._closed:
-                    raise ClosedError("the queue was stopped") from None
-                raise PeerLost(f"node {peer}: torch RPC refused the request: {short(exc)}") from exc
-            fut.add_done_callback(lambda _f: _answered(answered))
-            # torch fails the RPC itself after `timeout`; the extra second only guards that.
-            if not answered.acquire(timeout=timeout + 1.0) and not fut.done():
-                raise Timeout(f"node {peer} did not answer within {timeout:g}s")
-        finally:
-            with link.cond:
-                link.requests.discard(answered)
-        if not fut.done() and link.failed and not self._closed:
-            # Woken by disconnect(). The answer may be on its way all the same: a peer that
-            # stopped sent it before its goodbye, but TensorPipe completes the answer and
-            # delivers the goodbye on different threads, so the goodbye can win here.
-            answered.acquire(timeout=max(0.0, min(_ANSWER_GRACE_S, deadline - time.monotonic())))
-        if not fut.done():  # woken by disconnect() or close()
-            if link.failed:
-                raise PeerLost(f"node {peer} {link.failed}")
+            fut = rpc_async(link.info, request_script, (self.node_id, out.text, buffers), timeout)
+        except Exception as exc:
+            if self._closed:
+                raise ClosedError("the queue was stopped") from None
+            raise PeerLost(f"node {peer}: torch RPC refused the request: {short(exc)}") from exc
+        fut.add_done_callback(lambda _f: self._answered(link))
+        # torch fails the RPC itself after `timeout`; the extra second only guards that. A peer
+        # lost ends the wait (its link failed); one that said goodbye first gets a grace below.
+        ended = self._waits.pause(lambda: fut.done() or link.failed or self._closed or self._lost(peer),
+                                  timeout + 1.0, on=(link,))
+        if not ended:
+            raise Timeout(f"node {peer} did not answer within {timeout:g}s")
+        if not fut.done() and not self._closed and self._said_goodbye(peer):
+            # The answer may be on its way all the same: a peer that stopped sent it before its
+            # goodbye, but TensorPipe completes the answer and delivers the goodbye on different
+            # threads, so the goodbye can win here.
+            self._waits.pause(fut.done, max(0.0, min(_ANSWER_GRACE_S, deadline - time.monotonic())), on=(link,))
+        if not fut.done():  # the peer was lost, or we were closed
+            if link.failed or self._lost(peer):
+                raise PeerLost(f"node {peer} {link.failed or self._lost(peer)}")
             raise ClosedError("the queue was stopped while a request was in flight")
         try:
             text, reply = fut.value()
@@ -438,6 +437,19 @@ class TorchRpcTransport(Transport):
         if reply and any(t.is_cuda for t in reply):
             settle_cuda(reply)
         return self._frame_parts(text, reply)
+
+    def _answered(self, link: Link) -> None:
+        keep_thread_state()
+        self._waits.wake(link)
+
+    def _lost(self, peer: int) -> str | None:
+        """Why the node lost ``peer`` (its heartbeat may know before the link does), or None."""
+        p = self._waits.lookup(peer)
+        return p.lost if p is not None else None
+
+    def _said_goodbye(self, peer: int) -> bool:
+        p = self._waits.lookup(peer)
+        return bool(p is not None and p.said_goodbye)
 
     def on_request_rpc(self, sender: Any, text: str,
                         buffers: list[torch.Tensor]) -> tuple[str, list[torch.Tensor]]:
@@ -487,7 +499,7 @@ class TorchRpcTransport(Transport):
             consumed = None
         with link.cond:
             link.pending -= 1
-            link.cond.notify_all()
+        self._waits.wake(link)
         link.credit(consumed)
 
     def disconnect(self, peer: int) -> None:
@@ -495,16 +507,14 @@ class TorchRpcTransport(Transport):
         if link is not None:
             with link.cond:  # blocked senders wake with PeerLost (the RPC group is static)
                 link.failed = link.failed or "was lost"
-                link.cond.notify_all()
-                _wake(link.requests)
+            self._waits.wake(link)
 
     def _link_failed(self, link: Link, exc: BaseException) -> None:
         with link.cond:
             if link.failed:
                 return
             link.failed = f"is unreachable (torch RPC: {short(exc)})"
-            link.cond.notify_all()
-            _wake(link.requests)
+        self._waits.wake(link)
         if not self._closing and self._node is not None:
             self._node.on_link_lost(link.peer, link.failed)
 
@@ -539,7 +549,7 @@ class TorchRpcTransport(Transport):
         def done() -> None:
             with link.cond:
                 link.want_out = False
-                link.cond.notify_all()
+            self._waits.wake(link)
 
         self._control(link, WANT, done)
 
@@ -555,21 +565,3 @@ class TorchRpcTransport(Transport):
     def _frame_parts(self, text: Any, buffers: list[Any]) -> tuple[Any, list[Any]]:
         assert self._node is not None
         return frame_parts(text, buffers, self._node.max_frame_bytes)
-
-
-def _wake(waiters: set[Any]) -> None:
-    for lock in waiters:
-        _release(lock)
-
-
-def _answered(lock: Any) -> None:
-    _release(lock)  # the caller first: it waits
-    keep_thread_state()
-
-
-def _release(lock: Any) -> None:
-    try:
-        lock.release()
-    except RuntimeError:  # released already: answered and woken both
-        pass
-

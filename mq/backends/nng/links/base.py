@@ -17,7 +17,8 @@ import time
 from typing import Any, Callable
 
 from mq import handshake
-from mq.errors import ClosedError, Oversized, Timeout
+from mq.errors import ClosedError, Oversized
+from mq.waits import LIVE_OR_STOPPING, Waits
 
 
 def listener(family: int, kind: int, proto: int, address: Any) -> socket.socket:
@@ -90,33 +91,34 @@ class Sender:
     ``lost()`` is called (once) when a send finds the peer gone, before the send raises
     :class:`ClosedError`: the transport tells core, which then says PeerLost with what it knows."""
 
-    def __init__(self, sock: socket.socket, lost: Callable[[], None]):
+    def __init__(self, sock: socket.socket, lost: Callable[[], None], waits: Waits | None = None):
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
         self._lost = lost
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the link, one frame at a time: only tried, waited on through waits
+        self.waits = waits or Waits()
         self.closed = False
 
     def _hold(self, peer: int, timeout: float) -> None:
-        """Take the link for one frame (release ``_lock`` after), or raise Timeout."""
-        if not self._lock.acquire(False) and not self._lock.acquire(timeout=max(timeout, 0.0)):
-            raise Timeout(f"node {peer} did not take the message within {timeout:g}s: other threads' "
-                          "frames to it are still going out; pass timeout= to wait longer")
+        """Take the link for one frame (release with :meth:`_let_go`), or raise Timeout (or
+        PeerLost: the node's waits end when the peer is lost)."""
+        if self._lock.acquire(False):
+            return
+        self.waits.until(lambda: self._lock.acquire(False), time.monotonic() + max(timeout, 0.0), on=(self,),
+                         peers=(peer,), states=LIVE_OR_STOPPING,
+                         what=f"node {peer} did not take the message within {timeout:g}s: other threads' "
+                              "frames to it are still going out; pass timeout= to wait longer")
 
-    def _wait_writable(self, peer: int, deadline: float, poller: Any) -> Any:
-        """The peer's socket buffer is full (it reads slowly): wait for room, or for its end."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise Timeout(f"node {peer} did not take the message in time: its queue is full "
-                          "(slow receiver) or it is unreachable; pass timeout= to wait longer")
-        if poller is None:
-            poller = select.poll()
-            poller.register(self.fd, select.POLLOUT)
-        poller.poll(max(1, int(left * 1000)))
+    def _wait_writable(self, peer: int, deadline: float, poller: Any = None) -> Any:
+        """The peer's socket buffer is full (it reads slowly): wait for room, for its end, or
+        for the node to lose the peer (its heartbeat: a frozen peer keeps its socket open)."""
+        self.waits.for_fd(self.fd, select.POLLOUT, deadline, peers=(peer,), states=LIVE_OR_STOPPING,
+                          what=f"node {peer} did not take the message in time: its queue is full "
+                               "(slow receiver) or it is unreachable; pass timeout= to wait longer")
         if self.closed:
             raise ClosedError("the link was closed while sending (the queue is stopping)")
-        return poller
+        return None
 
     def _broken(self, exc: OSError) -> Exception:
         if not self.closed and exc.errno != errno.EBADF:
@@ -133,6 +135,8 @@ class Sender:
                 self.sock.close()  # (idempotent: close() may have closed it meanwhile)
             finally:
                 self._lock.release()
+        if id(self) in self.waits.watched:  # another thread's frame waits for the link
+            self.waits.wake(self)
 
     def close(self) -> None:
         self.closed = True

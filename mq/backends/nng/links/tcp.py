@@ -38,6 +38,7 @@ from mq.backends.nng.links.base import Receiver, Sender, listener
 from mq.codec import RELAY, Frame, empty_buffer
 from mq.cut_through import Arrival, header_end
 from mq.errors import MQError, ProtocolError, Timeout
+from mq.waits import Waits
 
 # At most this much of a frame per record: what a timed-out send may still owe. Measured across
 # a veth pair (two network namespaces), 640 MB frames, p50 of 6, three interleaved rounds:
@@ -195,14 +196,14 @@ class Inbound(Receiver):
 class Outbound(Sender):
     """This node's link to one peer on another host (or in another network namespace)."""
 
-    def __init__(self, address: str, timeout: float, lost: Callable[[], None]):
+    def __init__(self, address: str, timeout: float, lost: Callable[[], None], waits: Waits | None = None):
         sock = socket.create_connection(split_address(address), timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames are whole already
         except OSError:
             sock.close()
             raise
-        super().__init__(sock, lost)
+        super().__init__(sock, lost, waits)
         self._owed: list[Any] = []  # the rest of a record a timed-out send began
         self._abort_due = False  # and the frame it belonged to must be dropped at the peer
 

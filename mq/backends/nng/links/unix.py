@@ -31,6 +31,7 @@ from typing import Any, Callable
 from mq.backends.nng.links.base import Receiver, Sender, listener
 from mq.codec import Frame, empty_buffer
 from mq.errors import ProtocolError, Timeout
+from mq.waits import Waits
 
 DATAGRAM = 64 << 10  # one datagram; the kernel's default socket buffer holds three
 _PREFIX = struct.Struct("<Q")
@@ -111,7 +112,7 @@ class Inbound(Receiver):
 class Outbound(Sender):
     """This node's link to one same-host peer: frames in order, several sending threads."""
 
-    def __init__(self, name: str, timeout: float, lost: Callable[[], None]):
+    def __init__(self, name: str, timeout: float, lost: Callable[[], None], waits: Waits | None = None):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(timeout)
@@ -119,15 +120,26 @@ class Outbound(Sender):
         except OSError:
             sock.close()
             raise
-        super().__init__(sock, lost)
+        super().__init__(sock, lost, waits)
         self._abort_due = False  # a frame was cut off by a timeout: the peer must drop its start
 
     def send(self, peer: int, frame: Frame, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
         size = frame.size
         buf = bytearray(_PREFIX.size + size)
         _PREFIX.pack_into(buf, 0, size)
         frame.write_into(memoryview(buf)[_PREFIX.size:])
+        if size <= DATAGRAM - _PREFIX.size and not self._abort_due and self._lock.acquire(False):
+            # The common small frame, the link free and room in the socket: one sendmsg.
+            try:
+                self.sock.sendmsg([buf])
+                return
+            except BlockingIOError:
+                pass  # full: wait for room below, as any frame does
+            except OSError as exc:
+                raise self._broken(exc) from None
+            finally:
+                self._let_go()
+        deadline = time.monotonic() + timeout
         self._hold(peer, timeout)
         try:
             if len(buf) <= DATAGRAM and not self._abort_due:  # the common small frame: one datagram

@@ -12,10 +12,11 @@ before. One per process, shared by its links (:func:`shared`).
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
-import queue
 import threading
+from typing import Any
 
 from cffi import FFI
 
@@ -42,7 +43,7 @@ class WarmBuffers:
         self.max_bytes = max_bytes
         self.min_size = min_size
         self._idle: dict[int, list[mmap.mmap]] = {}  # capacity -> slabs nobody uses
-        self._back: queue.SimpleQueue = queue.SimpleQueue()  # (capacity, slab) given back
+        self._back: collections.deque[tuple[int, Any]] = collections.deque()  # (capacity, slab) given back
         self._lock = threading.Lock()
         self.mapped = 0  # bytes of slabs, lent and idle
         self.stats = {"lent": 0, "reused": 0, "fresh": 0}
@@ -66,14 +67,14 @@ class WarmBuffers:
                 return None
             self.stats["lent"] += 1
         addr = int(_ffi.cast("uintptr_t", _ffi.from_buffer(slab)))
-        back = self._back.put
+        back = self._back.append
         return view_until_garbage(addr, size, lambda: back((cap, slab)))
 
     def _collect(self) -> None:
         while True:
             try:
-                cap, slab = self._back.get_nowait()
-            except queue.Empty:
+                cap, slab = self._back.popleft()
+            except IndexError:
                 return
             self._idle.setdefault(cap, []).append(slab)
 

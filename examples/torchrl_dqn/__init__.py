@@ -1,0 +1,1 @@
+"""DQN on CartPole with TorchRL, its collectors and learner as mq roles (see README.md)."""
