@@ -608,6 +608,9 @@ class MQWeightSyncScheme(WeightSyncScheme):
                 listen = f"tcp://{_local_ip_towards(host)}:0"
             attach = () if self._mesh_at else (self._address,)
             q = self._make_node(worker + 1, {"torchrl-collector"}, attach, listen, **self._meeting())
+            if self._mesh_at:  # the rendezvous saw every node; relays need the links between them
+                q.wait_for_peers(ids=[i for i in range(len(self._workers) + 1) if i != worker + 1],
+                                 timeout=self.timeout)
         else:
             q = self._q
         self._receiver = receiver = _Receiver(self, q, self.topic, worker)

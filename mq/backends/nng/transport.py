@@ -540,7 +540,7 @@ class NngTransport(Transport):
         self.received += 1
         pipe = lib.nng_msg_get_pipe(msg)
         link = ("pipe", lib.nng_pipe_id(pipe))
-        self._drops.delivered.add(link[1])
+        self._drops.delivered(pipe)
         message = msg_view(msg)
         node = self._node
         assert node is not None
