@@ -81,6 +81,10 @@ _WANT_RETRY_S = 0.5  # a blocked sender asks again this often if no credit came
 # A request whose link was lost waits this much longer for an answer already on its way (a dead
 # peer's RPC fails at once anyway; a silent one's would only fail at the RPC timeout).
 _ANSWER_GRACE_S = 1.0
+# TensorPipe writes a request's answer after our handler returned, and says nothing when the
+# write is done; the agent's shutdown cancels writes still queued. close() leaves answers given
+# this recently this long to go out (the caller is waiting for them: its handler ran).
+_REPLY_FLUSH_S = 0.3
 
 
 class TorchRpcTransport(Transport):
@@ -124,6 +128,7 @@ class TorchRpcTransport(Transport):
         # ordinary frame, served by core's handler pool. One thread: no requests at all.
         self._request_limit = max(1, self.num_worker_threads // 2)
         self._requests_running = 0
+        self._last_answer_at = -_REPLY_FLUSH_S  # (monotonic) when the last answer went to TensorPipe
         self._request_lock = threading.Lock()
         self.answers_requests = self.num_worker_threads >= 2
         self.send_window = options.send_window
@@ -276,6 +281,7 @@ class TorchRpcTransport(Transport):
             for link in self._links.values():
                 self._waits.pause(lambda link=link: not link.pending or link.failed,
                                   max(0.0, flush_until - time.monotonic()), on=(link,))
+            self._let_answers_go(flush_until)
         self._closed = True
         self._rx.stop()
         self._waits.wake_all()  # senders and requests waiting on a link: closed
@@ -291,6 +297,14 @@ class TorchRpcTransport(Transport):
             log.warning("node %d: torch RPC shutdown did not finish within %.1fs (a peer probably "
                         "died); abandoned it: this process cannot start another torch RPC agent",
                         self.node_id, timeout)
+
+    def _let_answers_go(self, until: float) -> None:
+        """Before the agent shuts down: requests still served here (``_closing`` takes no new
+        ones) return their answers, and the latest answers get :data:`_REPLY_FLUSH_S` to leave."""
+        self._waits.pause(lambda: self._requests_running == 0, max(0.0, until - time.monotonic()), on=(self,))
+        left = min(self._last_answer_at + _REPLY_FLUSH_S, until) - time.monotonic()
+        if left > 0:
+            self._waits.pause(lambda: False, left, on=(self,))
 
     def _shutdown_rpc(self) -> None:
         from torch.distributed import rpc
@@ -485,10 +499,14 @@ class TorchRpcTransport(Transport):
             if reply is None:
                 return "", []
             out = self._tensors(sender, reply)  # the copy rules of send: the handler's result may change
-            return out.text, self._buffers_for(sender, out)
+            answer = out.text, self._buffers_for(sender, out)
+            self._last_answer_at = time.monotonic()
+            return answer
         finally:
             with self._request_lock:
                 self._requests_running -= 1
+                if self._closing and self._requests_running == 0:
+                    self._waits.wake(self)
 
     def _on_reply(self, link: Link, fut: Any) -> None:
         keep_thread_state()
