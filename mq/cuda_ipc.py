@@ -613,10 +613,6 @@ class PeerPools:
             log.debug("closing node %d's CUDA pool: %s", self.peer, exc)
 
 
-def is_descriptor(desc: Any) -> bool:
-    return type(desc) is list and bool(desc) and desc[0] == TAG
-
-
 # ---------------------------------------------------------------------- probe (doctor, gpu-check)
 def probe_two_process(device: int = 0, nbytes: int = 2 << 20, timeout: float = 60.0) -> dict[str, Any]:
     """Open a pool of this process in a second process: the real test of CUDA IPC here.
