@@ -341,15 +341,18 @@ class Sender:
         this thread: it may be the transport's own callback, which must not close its socket
         under itself. A peer that said goodbye gets a moment first: our answer to its BYE (and to
         the calls it still waits for) may be queued on the link, and it closes its side anyway."""
-        closer = threading.Timer(GOODBYE_LINGER_S if peer.said_goodbye else 0.0, self._disconnect, (peer.node_id,))
+        closer = threading.Timer(GOODBYE_LINGER_S if peer.said_goodbye else 0.0, self._disconnect, (peer,))
         closer.daemon = True
         closer.start()
 
-    def _disconnect(self, node_id: int) -> None:
+    def _disconnect(self, peer: Peer) -> None:
+        now = self._peer_get(peer.node_id)
+        if now is not None and now is not peer:
+            return  # it joined again meanwhile (a new incarnation): the link is the new one's
         try:
-            self._transport.disconnect(node_id)
+            self._transport.disconnect(peer.node_id)
         except Exception:
-            log.debug("node %d: disconnect from node %d", self.node_id, node_id, exc_info=True)
+            log.debug("node %d: disconnect from node %d", self.node_id, peer.node_id, exc_info=True)
 
     def pool_stats(self) -> dict[str, int]:
         return self.shm.counters()

@@ -217,6 +217,17 @@ def test_torchrl_update_pattern_with_the_scheme_from_torchrls_registry(collector
         scheme.shutdown()  # (TorchRL's collectors do not shut their sender's scheme down)
 
 
+@pytest.mark.timeout(240)
+def test_rpc_collector_workers_act_with_every_update():
+    """TorchRL's RPCCollector sends the scheme to each remote collector twice and replaces the
+    first copy with the second: the worker's node carries on (it used to leave and join again,
+    and every worker was lost a few updates later). 4 remote collectors, 12 updates, each
+    checked over TorchRL's own RPC; in a process of its own (torch RPC is one agent per process)."""
+    job = subprocess.run([sys.executable, "-m", "tests.jobs.torchrl_rpc", "12"], capture_output=True, text=True,
+                         timeout=200, env={**os.environ, "WORKERS": "4"})
+    assert job.returncode == 0 and "ok 12" in job.stdout, job.stderr[-3000:]
+
+
 def test_a_scheme_used_before_its_collector_started_is_a_config_error():
     scheme = WeightSyncScheme.from_backend("mq")
     with pytest.raises(ConfigError, match="before a collector set the scheme up"):

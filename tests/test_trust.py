@@ -214,6 +214,27 @@ def test_a_node_that_comes_back_as_a_new_process_rejoins_once(learner):
         stop(first)
 
 
+def test_a_node_that_stops_and_comes_back_in_the_same_process_keeps_its_link():
+    """The first incarnation's goodbye closes its link a moment later (GOODBYE_LINGER_S): that
+    must not close the link of the second, which joined meanwhile (a TorchRL collector replacing
+    its copy of the scheme lost every worker this way, seconds later)."""
+    from mq.sender import GOODBYE_LINGER_S
+
+    with mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", timeout=10) as q:
+        job = subprocess.Popen([sys.executable, "-m", "tests.jobs.same_id_again", q.addresses["tcp"], "1"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert job.stdout.readline().strip() == "again"
+            until = time.monotonic() + GOODBYE_LINGER_S + 2.0
+            while time.monotonic() < until:
+                assert q.call(1, "echo", "x", timeout=5) == "x"
+                time.sleep(0.1)
+            assert q.peers() == [1]
+        finally:
+            job.stdin.close()
+            job.wait(15)
+
+
 def test_flush_confirms_what_a_live_peer_received(learner):
     proc = peer(learner)
     try:

@@ -53,6 +53,7 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -383,6 +384,14 @@ class _Receiver:
                                       f"{'' if target.is_contiguous() else '(non-contiguous) '}parameter")
 
 
+# Copies of a scheme unpickled in this process and not set up yet. TorchRL's RPCCollector sends
+# the scheme to each remote collector twice (its constructor's weight_recv_schemes, then
+# register_scheme_receiver), and the collector shuts the first copy down before it sets the
+# second up: the first hands its node to the second (same worker, same links, same version)
+# instead of leaving the job and joining again under the same node id.
+_FRESH_COPIES: "weakref.WeakSet[MQWeightSyncScheme]" = weakref.WeakSet()
+
+
 @register_weight_sync_backend("mq")
 class MQWeightSyncScheme(WeightSyncScheme):
     """TorchRL's weight sync over mq (see the module docstring).
@@ -442,6 +451,7 @@ class MQWeightSyncScheme(WeightSyncScheme):
         self._mesh_at: str | None = None  # the mesh's rendezvous (init_method)
         self._trainer_nodes: list[int] = []
         self._unpickled = False
+        self._inherited: tuple[Any, _Receiver] | None = None  # a first copy's node (see _FRESH_COPIES)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -598,9 +608,12 @@ class MQWeightSyncScheme(WeightSyncScheme):
             raise ConfigError(f"MQWeightSyncScheme: worker index {worker_idx!r} is not one of this collector's "
                               f"{len(self._workers)} workers")
         self._worker_idx = worker_idx
+        _FRESH_COPIES.discard(self)
 
     def _setup_connection_and_weights_on_receiver_impl(self, *, worker_idx: int | None = None) -> None:
         worker = (self._worker_idx if worker_idx is None else worker_idx) - self._rank_base
+        if self._adopt(worker):
+            return
         if self._owns_q:
             listen = None
             if self.mq_type == "nng":
@@ -683,11 +696,40 @@ class MQWeightSyncScheme(WeightSyncScheme):
         raise ConfigError("MQWeightSyncScheme has no per-worker transports: its mq nodes carry every worker")
 
     def shutdown(self) -> None:
-        """Stop this end's node (bounded: a few seconds at most). Idempotent."""
+        """Stop this end's node (bounded: a few seconds at most), or hand a worker's node to a
+        copy of the scheme that replaces this one in the same process. Idempotent."""
         q, self._q = getattr(self, "_q", None), None
-        if q is not None and getattr(self, "_owns_q", True):
+        inherited, self._inherited = getattr(self, "_inherited", None), None
+        if inherited is not None:  # given to us, never set up: nobody else will stop it
+            inherited[0].stop(timeout=2.0, raise_undelivered=False)
+        if q is not None and getattr(self, "_owns_q", True) and not self._hand_over(q):
             q.stop(timeout=2.0, raise_undelivered=False)
         super().shutdown()
+
+    def _hand_over(self, q: Any) -> bool:
+        """Give this worker's node to a fresh copy of the scheme for the same trainer and model."""
+        receiver, self._receiver = self._receiver, None
+        if receiver is None:
+            return False
+        heir = next((s for s in list(_FRESH_COPIES) if s is not self and s._address == self._address
+                     and s.topic == self.topic and s._inherited is None), None)
+        if heir is None:
+            return False
+        _FRESH_COPIES.discard(heir)
+        heir._inherited = (q, receiver)
+        return True
+
+    def _adopt(self, worker: int) -> bool:
+        """Take the node a replaced copy handed over, when it is this worker's."""
+        inherited, self._inherited = self._inherited, None
+        if inherited is None:
+            return False
+        q, receiver = inherited
+        if receiver.worker != worker or not q.running:
+            q.stop(timeout=2.0, raise_undelivered=False)
+            return False
+        receiver.scheme, self._q, self._receiver = self, q, receiver
+        return True
 
     def __getstate__(self) -> dict[str, Any]:
         if (self._q is None and self._address is None and not self._unpickled and not self.initialized_on_sender
@@ -697,9 +739,11 @@ class MQWeightSyncScheme(WeightSyncScheme):
             self._start_trainer(None)
             self._early = True
         state = super().__getstate__()
-        state.update(_q=None, _trainer=None, _receiver=None)  # a worker makes its own node
+        state.update(_q=None, _trainer=None, _receiver=None, _inherited=None)  # a worker makes its own node
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._unpickled = True  # a copy never starts a trainer's end of its own
+        if not self.initialized_on_receiver:
+            _FRESH_COPIES.add(self)

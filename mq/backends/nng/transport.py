@@ -253,13 +253,16 @@ class NngTransport(Transport):
             raise ProtocolError(f"node {peer} advertised a malformed tcp link address {own_tcp!r}")
         link: Sender | None = None
         if (unix or own_tcp) and not self._is_current(peer, info):
+            # A link's loss concerns that link only: the link of an earlier incarnation of the
+            # peer (one that stopped, in the same process) may report its end after this one is in.
+            opened: list[Sender] = []
+            lost = lambda: self._outbound_lost(peer, opened[0] if opened else None)  # noqa: E731
             try:  # outside the lock: a peer slow to accept must not hold up every other link
                 if unix is not None:
-                    link = unixlink.Outbound(unix, min(self.timeout, 5.0), lambda: self._outbound_lost(peer),
-                                             self._waits)
+                    link = unixlink.Outbound(unix, min(self.timeout, 5.0), lost, self._waits)
                 else:
-                    link = tcplink.Outbound(own_tcp, min(self.timeout, _LINK_CONNECT_S),
-                                            lambda: self._outbound_lost(peer), self._waits)
+                    link = tcplink.Outbound(own_tcp, min(self.timeout, _LINK_CONNECT_S), lost, self._waits)
+                opened.append(link)
             except OSError as exc:
                 # A unix link's abstract name is not in our network namespace (a container
                 # sharing only IPC): NNG's abstract ipc socket would not be either, tcp reaches
@@ -470,21 +473,23 @@ class NngTransport(Transport):
         """Our outgoing link (unix or tcp) to a peer hung up: its process died or closed. (Anything else
         on it ends it too: a peer never speaks on the link it accepted.)"""
         with self._net_lock:
-            peer, _box = self._watched.get(fd, (None, None))
-        if peer is not None:
-            self._outbound_lost(peer, fd)
+            peer, link = self._watched.get(fd, (None, None))
+        if peer is not None and link is not None:
+            self._outbound_lost(peer, link)
 
-    def _outbound_lost(self, peer: int, fd: int | None = None) -> None:
-        """Our link to ``peer`` is gone: forget it (a later connect opens a new one: a node still
+    def _outbound_lost(self, peer: int, link: Sender | None) -> None:
+        """Our ``link`` to ``peer`` is gone: forget it (a later connect opens a new one: a node still
         joining, whose first link the peer closed, must not be answered on the dead one again:
-        issue 45's join that never finished) and tell the node."""
+        issue 45's join that never finished) and tell the node. A link no longer the peer's
+        (replaced, or still opening: ``None``) changes nothing."""
         with self._net_lock:
             box = self._out.get(peer)
-            if not isinstance(box, Sender) or (fd is not None and box.fd != fd):
+            if link is None or box is not link:
                 box = None
             if box is not None:
                 self._forget_out(peer)
-            if fd is not None and self._watched.pop(fd, None) is not None:
+            if link is not None and self._watched.get(link.fd, (None, None))[1] is link:
+                del self._watched[link.fd]
                 self._links_gen += 1  # level-triggered: stop watching it, or poll() would spin
         if box is not None:
             box.close()
