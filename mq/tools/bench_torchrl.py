@@ -261,7 +261,8 @@ weights into memory every worker already maps and reads from (no copy per worker
 once into the trainer's shared-memory pool and every worker then copies it into its own policy (its
 policy stays its own: a worker never acts with weights half written), so a 100 MiB update costs one
 copy plus one per worker, which on 2 cores is most of mq's time. Where the weights cross a network
-(`receivers`, TorchRL's `Distributed` over gloo) mq is ahead at both sizes."""
+(`receivers`, TorchRL's `Distributed` over gloo) and under TorchRL's `RPCCollector` (`rpc`, against
+its `RPC` scheme) mq is ahead at both sizes."""
 
 
 def page(results: list[dict[str, Any]], command: str, seconds: float) -> str:
