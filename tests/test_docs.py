@@ -158,6 +158,18 @@ def test_relative_links_and_named_paths_exist(page):
     assert not missing, f"{page.relative_to(ROOT)} names what does not exist: {missing}"
 
 
+def test_the_layout_table_names_every_module_of_mq():
+    """docs/index.md's layout: every module and package directly under mq/ is in it (a newcomer
+    finds each concern there); that the paths it names exist, the test above checks."""
+    text = (DOCS / "index.md").read_text()
+    table = text[text.index("| path | concern |"):]
+    named = set(re.findall(r"`(mq/[A-Za-z0-9_/]+(?:\.py)?)`", table))
+    here = {f"mq/{p.name}" for p in (ROOT / "mq").glob("*.py")}
+    here |= {f"mq/{p.name}/" for p in (ROOT / "mq").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    missing = sorted(m for m in here if m not in named and m.rstrip("/") not in named)
+    assert not missing, f"docs/index.md's layout table lacks {missing}: add a row (or a name to a row)"
+
+
 def test_readme_commands_name_existing_scripts():
     scripts = [line.split()[1] for lang, code in _blocks((ROOT / "README.md").read_text()) if lang == "bash"
                for line in code.splitlines() if line.startswith("bash ")]
