@@ -19,6 +19,7 @@ import mq.forksafe as forksafe
 from mq.locality import Locality, local
 from mq import auth as _auth
 from mq import rdma as _rdma_mod
+from mq.datapath import PATHS
 from mq.registry import backends
 from mq.routing import select_route
 
@@ -50,10 +51,27 @@ def _torch() -> dict[str, Any]:
 
 
 def _backends(me: Locality, peers: Mapping[str, Locality]) -> dict[str, Any]:
-    """Each backend: what it is, its mq types and routes, and its own section."""
-    return {b.name: {"summary": b.summary, "mq_types": list(b.mq_types), "routes": sorted(b.routes),
+    """Each backend: what it is, its mq types and routes, and its own section. The routes are
+    its transport's and, for a backend whose nodes are processes (one ``mq run`` launches), the
+    data paths' (``shm``, ``rdma``: any transport carries their descriptors)."""
+    paths = set(PATHS) - {"nvlink"}  # (nvlink: only where the transport carries it, in its routes)
+    return {b.name: {"summary": b.summary, "mq_types": list(b.mq_types),
+                     "routes": sorted(set(b.routes) | (paths if b.launch is not None else set())),
                      "launchable": b.launch is not None, **_section(lambda b=b: b.doctor_section(me, peers))}
             for b in backends().values()}
+
+
+def _plain(rep: Any) -> Any:
+    """The report with the tables' colour markup (``[yellow]...[/yellow]``) taken out of its text."""
+    from rich.text import Text
+
+    if isinstance(rep, dict):
+        return {k: _plain(v) for k, v in rep.items()}
+    if isinstance(rep, list):
+        return [_plain(v) for v in rep]
+    if isinstance(rep, str) and "[/" in rep:
+        return Text.from_markup(rep).plain
+    return rep
 
 
 def _gpus(me: Locality) -> dict[str, Any]:
@@ -367,6 +385,6 @@ def doctor(as_json: bool, probe_cuda: bool) -> None:
     """Show what this node sees: container, fork safety, RDMA, GPUs and GPU pairs, torch/TensorPipe, routes."""
     rep = report(probe_cuda=probe_cuda)
     if as_json:
-        click.echo(json.dumps(rep, indent=2, sort_keys=True, default=str))
+        click.echo(json.dumps(_plain(rep), indent=2, sort_keys=True, default=str))
     else:
         _render(rep)

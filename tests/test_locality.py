@@ -366,6 +366,10 @@ def test_doctor_json_on_this_machine():
     # nng takes the shm data path on the same host exactly when this host can make a pool
     assert rep["routes"]["nng"]["local"]["kind"] == ("shm" if rep["shm"]["available"] else "ipc")
     assert rep["torch"]["available"] in (True, False)
+    # a backend's routes include what the data paths add; JSON text carries no colour markup
+    assert {"shm", "rdma", "tcp", "ipc"} <= set(rep["backends"]["nng"]["routes"])
+    assert rep["backends"]["inproc"]["routes"] == ["inproc"]
+    assert "[/" not in result.output and "[yellow]" not in result.output, "colour markup in the JSON"
 
 
 def test_doctor_human_output_exits_0():
