@@ -367,6 +367,10 @@ def _plan_local(req: LaunchRequest, profile: LaunchProfile) -> _Layout:
     if port_list and len(port_list) != workers:
         raise ConfigError(f"--ports gives {len(port_list)} ports for {workers} workers: give one, "
                           "or a base port")
+    twice = sorted({p for p in port_list if port_list.count(p) > 1})
+    if twice:
+        raise ConfigError(f"--ports gives port(s) {twice} to more than one worker: each worker listens on its "
+                          f"own port (give {workers} different ports, or one base port)")
     if req.check_network:
         ip = platforms.resolve_hosts([address], "--address")[address]
         _check_ports_free([(address, ip, p, f"node {n}") for n, p in zip(ids, port_list)])

@@ -496,3 +496,10 @@ def test_launch_api_takes_a_role_spec(capfd):
 def test_the_inproc_type_cannot_be_launched_and_says_why():
     with pytest.raises(mq.errors.ConfigError, match="cannot be launched .its nodes live in one process"):
         make_plan("tests.jobs.roles:ok", n_workers=2, mq_type="inproc", check_network=False)
+
+
+def test_a_port_given_to_two_workers_is_a_config_error_before_any_starts():
+    with pytest.raises(mq.ConfigError, match=r"--ports gives port\(s\) \[47411\] to more than one worker"):
+        make_plan("tests.jobs.roles:ok", n_workers=3, ports=[47411, 47412, 47411], check_network=False)
+    r = mq_cli("run", "--main", "tests.jobs.roles:ok", "-n", "2", "--ports", "47411,47411")
+    assert r.returncode != 0 and "to more than one worker" in r.stderr and "Traceback" not in r.stderr, r.stderr
