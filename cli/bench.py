@@ -288,7 +288,8 @@ def _print_tables(report: lib.Report) -> None:
                       link.get("error") or "")
         console.print(t)
     t = Table(title="ms per sample: round trip (A send -> B recv+send -> A recv) unless the row names "
-                    "its mode; x bound = p50 / the copies the note names", title_justify="left")
+                    "its mode; ratio = mq p50 / raw p50 (the raw library, same run, interleaved); "
+                    "x bound = p50 / the copies the note names", title_justify="left")
     for col, just in (("row", "left"), ("size", "right"), ("samples", "right"), ("min", "right"),
                       ("p50", "right"), ("p99", "right"), ("max", "right"), ("Gbit/s", "right"),
                       ("raw p50", "right"), ("ratio", "right"), ("x bound", "right"), ("note", "left")):
@@ -310,7 +311,7 @@ def _print_tables(report: lib.Report) -> None:
     _print_gpu(console, report)
     for target in report.targets:
         mark = ("[green]met[/green]" if target["met"] else
-                ("[dim]no data[/dim]" if not target["rows_checked"] else "[red]missed[/red]"))
+                ("[dim]not judged (no row of its kind ran)[/dim]" if not target["rows_checked"] else "[red]missed[/red]"))
         console.print(f"{mark}: {target['target']} (worst: {target['worst']})")
     for note in report.notes:
         console.print(f"[dim]note: {note}[/dim]")

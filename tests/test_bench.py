@@ -356,6 +356,8 @@ def test_markdown_and_table_render_a_synthetic_report(capsys):
     out = capsys.readouterr().out
     assert "nng/auto->ipc" in out and "2.00x" in out
     assert "x bound" in out and "memcpy (bound)" in out and "12.3k msg/s" in out
+    assert "ratio = mq p50 / raw p50" in " ".join(out.split())  # (the title may wrap)
+    assert "no data" not in out  # a target no row could judge says so in words
 
 
 # --------------------------------------------------------------------------- two hosts
