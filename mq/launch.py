@@ -672,6 +672,9 @@ def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
 
         telemetry.serve(q)  # every launched node answers `mq top`
         q.listen()
+        if node_id == min(plan.node_ids) and "tcp" in q.addresses:  # once per launch: where to watch the job
+            sys.stderr.write(f"mq run: node {node_id} listens on {q.addresses['tcp']}; watch the job with "
+                             f"mq top --attach-to {q.addresses['tcp']}\n")
         q.subscribe(ABORT_TOPIC, on_abort)
         fn(Context(node_id, frozenset(labels), q, plan.mq_type, plan.world_size,
                    list(plan.node_ids), dict(plan.args)))

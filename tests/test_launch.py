@@ -503,3 +503,10 @@ def test_a_port_given_to_two_workers_is_a_config_error_before_any_starts():
         make_plan("tests.jobs.roles:ok", n_workers=3, ports=[47411, 47412, 47411], check_network=False)
     r = mq_cli("run", "--main", "tests.jobs.roles:ok", "-n", "2", "--ports", "47411,47411")
     assert r.returncode != 0 and "to more than one worker" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_mq_run_says_where_to_watch_the_job():
+    r = mq_cli("run", "--main", "tests.jobs.roles:ok", "-n", "2", "--mq-type", "nng")
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stderr.splitlines() if "mq top --attach-to tcp://" in line]
+    assert len(said) == 1 and said[0].startswith("mq run: node 0 listens on tcp://"), r.stderr
