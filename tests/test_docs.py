@@ -170,8 +170,28 @@ def test_the_layout_table_names_every_module_of_mq():
     assert not missing, f"docs/index.md's layout table lacks {missing}: add a row (or a name to a row)"
 
 
+def test_the_readme_snippet_runs_with_the_command_it_gives(tmp_path):
+    """README's "Use it": its Python block is roles.py, run by the `mq run` its first line gives."""
+    code = next(code for lang, code in _blocks((ROOT / "README.md").read_text()) if lang == "python")
+    first = code.splitlines()[0]
+    assert first.startswith("# roles.py, run with:") and "mq run " in first, first
+    (tmp_path / "roles.py").write_text(code)
+    args = shlex.split(first.split("mq run ", 1)[1])
+    r = _run([sys.executable, "-m", "mq.cli.main", "run", *args], tmp_path)
+    assert r.returncode == 0, f"README's snippet failed:\n{r.stdout}\n{r.stderr[-4000:]}"
+    lines = r.stdout.splitlines()
+    assert any(re.search(r"learner: routes \{1: '(shm|ipc)', 2: '(shm|ipc)'\}", line) for line in lines), r.stdout
+    assert sum("transitions from node" in line for line in lines) == 2, r.stdout
+
+
 def test_readme_commands_name_existing_scripts():
     scripts = [line.split()[1] for lang, code in _blocks((ROOT / "README.md").read_text()) if lang == "bash"
                for line in code.splitlines() if line.startswith("bash ")]
     assert {"scripts/demo", "scripts/test"} <= set(scripts), scripts
     assert all((ROOT / s).is_file() for s in scripts), scripts
+
+
+def test_the_quickstart_names_the_extras_scripts_install_installs():
+    install = (ROOT / "scripts" / "install").read_text()
+    extras = re.search(r'-e "\.\[([a-z,]+)\]"', install).group(1)
+    assert f'-e ".[{extras}]"' in QUICKSTART.read_text(), f"docs/quickstart.md does not say scripts/install's .[{extras}]"
