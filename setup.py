@@ -1,6 +1,13 @@
 """Installable package for mq. Pins that make CI fast live in constraints.txt, not here."""
 
+import pathlib
+import re
+
 from setuptools import find_packages, setup
+
+# One version source: mq/__init__.py's __version__ (read, not imported: no dependency at build time).
+VERSION = re.search(r'^__version__ = "([^"]+)"', (pathlib.Path(__file__).parent / "mq" / "__init__.py").read_text(),
+                    re.M).group(1)
 
 # The coverage-guided fuzzer (scripts/fuzz). Its wheels exist for CPython <= 3.11 on x86-64 Linux
 # only; elsewhere pip would try to build it with clang's libFuzzer, so it is left out there and
@@ -9,7 +16,7 @@ ATHERIS = 'atheris>=2.3; python_version < "3.12" and sys_platform == "linux" and
 
 setup(
     name="mq",
-    version="0.1.0",
+    version=VERSION,
     description="Point-to-point messaging for distributed reinforcement learning (NNG and torch RPC backends)",
     python_requires=">=3.10",
     # cli/ sits at the top of the repo but installs as mq.cli: no top-level `cli` in site-packages.
