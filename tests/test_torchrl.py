@@ -378,3 +378,44 @@ def test_the_dqn_example_learns_cartpole(mq_type):
     assert report["weights"]["torchrl.policy"]["updates"] >= 2  # version 0 and at least one more
     counts = report["stream"]["counts"]
     assert sorted(counts) == ["1", "2"] and all(c["received"] == c["sent"] > 0 for c in counts.values()), report
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(420)
+def test_the_dqn_example_learns_with_collectors_on_two_namespace_hosts(two_hosts):
+    """The example as a cluster user runs it: one `mq run` per node, the learner on this host and
+    a collector on each of two namespace hosts (own network, PID and IPC namespaces: tcp), meeting
+    in a rendezvous; batches stream over tcp, weights come through the scheme; it learns."""
+    import json
+    import socket as socket_
+
+    with socket_.socket() as s:
+        s.bind((two_hosts.root_addr, 0))
+        init = f"tcp://{two_hosts.root_addr}:{s.getsockname()[1]}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+
+    def node(node_id: int, label: str, address: str) -> list[str]:
+        return [sys.executable, "-m", "mq.cli.main", "run", "--main", "examples.torchrl_dqn.roles:main",
+                "--labels", label, "--node-ids", str(node_id), "--world-size", "3", "--init-method", init,
+                "--mq-type", "nng", "--address", address]
+
+    commands = [node(0, "learner", two_hosts.root_addr)] + [
+        two_hosts.command(h, node(h + 1, "collector", two_hosts.addrs[h])) for h in (0, 1)]
+    procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in commands]
+    try:
+        outs = [p.communicate(timeout=380) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, f"exit {p.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    report = json.loads([line for line in outs[0][0].splitlines() if line.startswith("{")][-1])
+    assert report["ok"] and report["mean_return_last_10"] >= 100, report
+    assert report["weights"]["torchrl.policy"]["updates"] >= 2
+    counts = report["stream"]["counts"]
+    assert sorted(counts) == ["1", "2"] and all(c["received"] == c["sent"] > 0 for c in counts.values()), report
+    assert set(report["routes"].values()) == {"tcp"}, report["routes"]  # the collectors are on other hosts
+

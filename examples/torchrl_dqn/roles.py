@@ -160,7 +160,7 @@ def learner(ctx: mq.Context, cfg: dict[str, Any]) -> dict[str, Any]:
         "ok": mean >= cfg["target_return"], "mean_return_last_10": mean, "target_return": cfg["target_return"],
         "frames": frames, "updates": updates, "episodes": episodes, "seconds": round(time.monotonic() - started, 1),
         "mq_type": ctx.mq_type, "collectors": collectors, "weights": metrics.get("weight_sync", {}),
-        "policy_lag": metrics.get("policy_lag", {}), "stream": streamed,
+        "policy_lag": metrics.get("policy_lag", {}), "stream": streamed, "routes": metrics.get("routes", {}),
     }
     weights.shutdown()
     if cfg.get("report"):

@@ -60,6 +60,19 @@ _MAX_LINKS = 1024  # accepted unix and tcp links kept at once (peers, and strang
 _LINK_CONNECT_S = 2.0  # a tcp link not open by then (a firewall drops it): NNG's tcp instead
 
 
+def _link_addresses(peer: int, addresses: dict[str, Any], *, unix: bool, tcp: bool) -> tuple[Any, Any]:
+    """The unix link name and the tcp link address of ``peer`` (from its HELLO: checked) that
+    this node dials, where it uses that kind of link; None where not."""
+    name = addresses.get("unix") if unix else None
+    if name is not None and not (isinstance(name, str) and name.startswith("mq-") and len(name) < 100
+                                 and "\0" not in name):
+        raise ProtocolError(f"node {peer} advertised a malformed unix link name {name!r}")
+    own = addresses.get("tcplink") if tcp else None
+    if own is not None and not (isinstance(own, str) and own.startswith("tcp://") and own.rpartition(":")[2].isdigit()):
+        raise ProtocolError(f"node {peer} advertised a malformed tcp link address {own!r}")
+    return name, own
+
+
 class NngTransport(Transport):
     """The ``nng`` mq type's transport; its options are :class:`NngOptions`, the common ones
     :func:`mq.create`'s."""
@@ -243,14 +256,8 @@ class NngTransport(Transport):
         address = addresses.get(kind) or addresses.get("tcp")
         if not isinstance(address, str):
             raise ProtocolError(f"node {peer} advertised no address for route {route.kind}")
-        unix = addresses.get("unix") if kind == "ipc" and self._unix_listener is not None else None
-        if unix is not None and not (isinstance(unix, str) and unix.startswith("mq-") and len(unix) < 100
-                                     and "\0" not in unix):
-            raise ProtocolError(f"node {peer} advertised a malformed unix link name {unix!r}")
-        own_tcp = addresses.get("tcplink") if kind == "tcp" and self.tcp_links and not self.batch_window else None
-        if own_tcp is not None and not (isinstance(own_tcp, str) and own_tcp.startswith("tcp://")
-                                        and own_tcp.rpartition(":")[2].isdigit()):
-            raise ProtocolError(f"node {peer} advertised a malformed tcp link address {own_tcp!r}")
+        unix, own_tcp = _link_addresses(peer, addresses, unix=kind == "ipc" and self._unix_listener is not None,
+                                        tcp=kind == "tcp" and self.tcp_links and not self.batch_window)
         link: Sender | None = None
         if (unix or own_tcp) and not self._is_current(peer, info):
             # A link's loss concerns that link only: the link of an earlier incarnation of the
