@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
+from mq.errors import ConfigError
+
 if TYPE_CHECKING:
     from mq.locality import Locality
     from mq.platforms import PlatformPlan
@@ -47,6 +49,18 @@ class LocalJob:
     attach_to: list[str]  # extra addresses every worker dials
     init_method: str | None
     pick_port: Callable[[str], int]  # a free port on an address, when the backend needs one
+
+    def pick_ports(self, count: int) -> list[int]:
+        """``count`` different free ports on the job's address (picked one by one, two picks
+        can be the same port: two workers would then try to listen on it)."""
+        ports: list[int] = []
+        for _ in range(64 * count):
+            port = self.pick_port(self.address)
+            if port not in ports:
+                ports.append(port)
+            if len(ports) == count:
+                return ports
+        raise ConfigError(f"could not find {count} different free ports on {self.address}: give --ports")
 
 
 class LaunchProfile(Protocol):

@@ -88,8 +88,13 @@ def _header_and_lists() -> tuple[str, set[str], set[str]]:
 
 def _setup_requirements() -> list[str]:
     tree = ast.parse((ROOT / "setup.py").read_text())
-    consts = {t.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-              for t in n.targets if isinstance(t, ast.Name)}
+    consts = {}  # setup.py's constants that are literals (VERSION is read from a file: not one)
+    for n in tree.body:
+        if isinstance(n, ast.Assign):
+            try:
+                consts.update({t.id: ast.literal_eval(n.value) for t in n.targets if isinstance(t, ast.Name)})
+            except ValueError:
+                pass
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
     kw = {k.arg: k.value for k in call.keywords}
 

@@ -510,3 +510,21 @@ def test_mq_run_says_where_to_watch_the_job():
     assert r.returncode == 0, r.stderr
     said = [line for line in r.stderr.splitlines() if "mq top --attach-to tcp://" in line]
     assert len(said) == 1 and said[0].startswith("mq run: node 0 listens on tcp://"), r.stderr
+
+
+def test_the_ports_a_launch_picks_are_different_even_when_two_picks_are_the_same():
+    """Two free-port picks can return the same port (CI once got it: node 1 'already in use')."""
+    from mq.backend import LocalJob
+
+    picks = iter([24389, 24389, 24390, 24389, 24391])
+    job = LocalJob(node_ids=[0, 1, 2], world_size=3, topology="mesh", address="127.0.0.1", ports=[], attach_to=[],
+                   init_method=None, pick_port=lambda _host: next(picks))
+    assert job.pick_ports(3) == [24389, 24390, 24391]
+    same = LocalJob(**{**job.__dict__, "pick_port": lambda _host: 24389})
+    with pytest.raises(mq.ConfigError, match="could not find 2 different free ports"):
+        same.pick_ports(2)
+    from mq.registry import backend_for
+
+    repeating = LocalJob(**{**job.__dict__, "pick_port": lambda _host, seq=iter([30001, 30001, 30002, 30003]): next(seq)})
+    listen = [o["listen_to"] for o in backend_for("nng").launch.local_options(repeating).values()]
+    assert sorted(listen) == [f"tcp://127.0.0.1:{p}" for p in (30001, 30002, 30003)], listen

@@ -22,7 +22,7 @@ class NngLaunch:
         if not ports and not job.init_method:
             # No ports given: the launcher picks free ones. (A rendezvous store would work too,
             # but it needs torch.distributed, a one-second import for every worker.)
-            ports = [job.pick_port(job.address) for _ in job.node_ids]
+            ports = job.pick_ports(len(job.node_ids))
         if ports:  # static addresses: every node knows every other's address up front
             listen = {n: f"tcp://{job.address}:{p}" for n, p in zip(job.node_ids, ports)}
             return {n: {"listen_to": listen[n],
