@@ -221,6 +221,7 @@ def test_a_node_that_stops_and_comes_back_in_the_same_process_keeps_its_link():
     from mq.sender import GOODBYE_LINGER_S
 
     with mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", timeout=10) as q:
+        q.on("ping", lambda x: x)
         job = subprocess.Popen([sys.executable, "-m", "tests.jobs.same_id_again", q.addresses["tcp"], "1"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
