@@ -172,13 +172,21 @@ class Calls:
         """The link to ``peer`` is gone for good: the answers it promised in its goodbye get a
         moment's grace (they may still wait unread on the other link of the pair), then fail."""
         with self._lock:
-            promised = self._promised.pop(peer, set())
-            pending = [fut for corr, (p, fut) in self._calls.items() if p == peer and corr in promised]
-        if pending:
-            timer = threading.Timer(LINK_GRACE_S, _fail_all, (pending, PeerLost(
-                f"node {peer} left before answering the call (its stop(timeout=...) ran out)")))
-            timer.daemon = True
-            timer.start()
+            promised = self._promised.get(peer)
+            pending = [fut for corr, (p, fut) in self._calls.items() if p == peer and corr in (promised or ())]
+        if promised is None:
+            return
+        # The promise holds through the grace (a caller woken by the loss keeps waiting).
+        timer = threading.Timer(LINK_GRACE_S, self._break_promise, (peer, promised, pending))
+        timer.daemon = True
+        timer.start()
+
+    def _break_promise(self, peer: int, promised: set[int], pending: list[Future]) -> None:
+        with self._lock:
+            if self._promised.get(peer) is promised:  # (not a later goodbye of a new incarnation)
+                del self._promised[peer]
+        _fail_all(pending, PeerLost(f"node {peer} left before answering the call "
+                                    "(its stop(timeout=...) ran out)"))
 
     # ------------------------------------------------------------------ stopping
     def farewell(self, peer: int) -> list[int]:

@@ -204,3 +204,27 @@ def test_a_node_s_waits_end_when_it_stops():
     assert errors and isinstance(errors[0][0], ClosedError), errors
     assert errors[0][1] - stopped < 2.0
     gc.collect()
+
+
+def test_an_answer_promised_in_a_goodbye_is_awaited_though_the_link_closes_first():
+    """A peer that stops answers the calls it promised in its goodbye, then closes. Its link-lost
+    can overtake the answer (inproc: the close is told at once, the answer waits in the inbox;
+    a CI flake): the caller keeps waiting through the grace, and gets the answer. An answer
+    that never comes fails the call with PeerLost once the grace is over."""
+    from mq import calls as c
+    from mq.codec import REP_OK
+
+    peer = SimpleNamespace(lost=None)
+    calls = c.Calls(0, None, {1: peer}, None, None, None, SimpleNamespace(dropped_unexpected_reply=0),
+                    None, w.Waits(), handler_threads=1, timeout=5)
+    with calls.pending(1, 7) as answered_fut, calls.pending(1, 8) as never_fut:
+        answered = calls.answered(1, 7, answered_fut)
+        never = calls.answered(1, 8, never_fut)
+        calls.promised(1, [7, 8])
+        peer.lost = "stopped (it called stop())"
+        calls.link_lost(1)
+        assert answered() is False and never() is False  # promised: no PeerLost yet
+        calls.on_reply(SimpleNamespace(kind=REP_OK, corr=7, payload=42, sender=1))
+        assert answered() is True and answered_fut.result() == 42
+        with pytest.raises(PeerLost, match="left before answering"):
+            never_fut.result(timeout=c.LINK_GRACE_S + 5)
