@@ -45,6 +45,8 @@ setup(
         # mq.integrations.torchrl (TorchRL's weight-sync backend "mq"), TensorDict payloads, and
         # examples/torchrl_ppo (CartPole through TorchRL's GymEnv).
         "torchrl": ["torchrl>=0.14", "tensordict>=0.14", "gymnasium>=1.0"],
+        # mq on Ray (mq.integrations.ray: init_method="ray://GROUP"; mq run --platform ray).
+        "ray": ["ray>=2.60"],
         # The docs site (mkdocs.yml, docs/): tests/test_docs.py builds it with --strict.
         "docs": ["mkdocs-material>=9.5", "mkdocstrings[python]>=1.0"],
         "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", ATHERIS, "matplotlib>=3.7", "pyzmq>=25",

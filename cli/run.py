@@ -90,8 +90,14 @@ def _backend_flags(command: Callable[..., Any]) -> Callable[..., Any]:
               help="Nodes in the whole job (all machines). Default: max node id + 1.")
 @click.option("--init-method", default=None, metavar="tcp://H:P|env://|file://PATH",
               help="Rendezvous for torchrpc (and nng without --ports).")
-@click.option("--platform", default="local", show_default=True, metavar="|".join(PLATFORMS),
-              help="Derive node ids, addresses and ports from the scheduler's environment.")
+@click.option("--platform", default="local", show_default=True, metavar="|".join((*PLATFORMS, "ray")),
+              help="Derive node ids, addresses and ports from the scheduler's environment; ray: "
+                   "start all -n nodes of the job as actors on a Ray cluster.")
+@click.option("--ray-address", default=None, metavar="HOST:PORT",
+              help="--platform ray: the cluster's head [default: RAY_ADDRESS, else one on this machine].")
+@click.option("--ray-resources", multiple=True, metavar="ROLE:cpu=N,gpu=N",
+              help="--platform ray: the Ray resources of each node of a role (repeatable; '*' for "
+                   "the others) [default: cpu=1].")
 @click.option("--startup-interval", type=float, default=0.0, show_default=True,
               help="Seconds between starting workers.")
 @click.option("--log-level", default="WARNING", show_default=True,
@@ -104,8 +110,8 @@ def _backend_flags(command: Callable[..., Any]) -> Callable[..., Any]:
 def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: str, topology: str,
         address: str | None, ports: str | None, attach_to: str | None,
         node_ids: str | None, labels: tuple[str, ...], roles: str | None, world_size: int | None, init_method: str | None,
-        platform: str, startup_interval: float, log_level: str, job_timeout: float | None, args: tuple[str, ...],
-        **backend_flags: Any) -> None:
+        platform: str, ray_address: str | None, ray_resources: tuple[str, ...], startup_interval: float,
+        log_level: str, job_timeout: float | None, args: tuple[str, ...], **backend_flags: Any) -> None:
     """Launch this machine's workers of a job; each runs MAIN(ctx) with its open queue.
 
     Extra ARGS after `--` reach the workers as ctx.args["argv"].
@@ -117,11 +123,23 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
     On Slurm (one worker per task, or one launcher per host with -n):
       srun -N2 -n4 mq run --platform slurm --main mypkg:main --roles 'learner:1,collector:*'
       srun -N2 --ntasks-per-node=1 mq run --platform slurm -n 2 --main mypkg:main ...
+    \b
+    On a Ray cluster (every node an actor; run where RAY_ADDRESS reaches the head):
+      mq run --platform ray -n 9 --main mypkg:main --roles 'learner:1,collector:*' \\
+        --ray-resources learner:cpu=2,gpu=1 --ray-resources collector:cpu=1
     """
-    from mq.launch import LaunchError, make_plan, run_plan
+    from mq.launch import make_plan, run_plan
     from mq.backends.nng.options import check_address  # --attach-to takes nng addresses
 
+    if platform == "ray":
+        _run_on_ray(main_, package, parallel_workers, mq_type, topology, labels, roles, ray_address,
+                    ray_resources, log_level, job_timeout, args, backend_flags,
+                    address=address, ports=ports, attach_to=attach_to, node_ids=node_ids,
+                    world_size=world_size, init_method=init_method, startup_interval=startup_interval or None)
+        return
     try:
+        if ray_address or ray_resources:
+            raise ConfigError("--ray-address and --ray-resources are options of --platform ray")
         attach = [check_address(a.strip(), "--attach-to address") for a in (attach_to or "").split(",") if a.strip()]
         given = _parsed(mq_type, backend_flags)
         if len(labels) > 1 and platform == "local" and len(labels) != (parallel_workers or 1):
@@ -137,10 +155,17 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
             args={"argv": list(args)})
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    _exit_on_failure(lambda: run_plan(plan, deadline_s=job_timeout), "workers stopped")
+
+
+def _exit_on_failure(job: Callable[[], Any], on_interrupt: str) -> Any:
+    """Run the job; a failure exits with its code (130 on Ctrl-C) and one line saying why."""
+    from mq.launch import LaunchError
+
     try:
-        run_plan(plan, deadline_s=job_timeout)
+        return job()
     except KeyboardInterrupt:
-        click.echo("mq run: interrupted; workers stopped", err=True)
+        click.echo(f"mq run: interrupted; {on_interrupt}", err=True)
         sys.exit(130)
     except LaunchError as exc:
         click.echo(f"mq run: {exc}", err=True)
@@ -148,3 +173,41 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
     except MQError as exc:
         click.echo(f"mq run: {exc}", err=True)
         sys.exit(1)
+
+
+def _run_on_ray(main_: str, package: str | None, n: int | None, mq_type: str, topology: str,
+                labels: tuple[str, ...], roles: str | None, ray_address: str | None,
+                ray_resources: tuple[str, ...], log_level: str, job_timeout: float | None,
+                args: tuple[str, ...], backend_flags: dict[str, Any], **derived: Any) -> None:
+    """``mq run --platform ray``: the whole job as Ray actors (:mod:`mq.platforms.ray`)."""
+    from mq.launch import checked_flags, parse_labels, resolve_main
+    from mq.platforms import assign_roles
+    from mq.platforms import ray as on_ray
+    from mq.registry import check_mq_type, profile_for
+
+    try:
+        on_ray.check_flags(**derived)
+        if n is None or n < 1:
+            raise ConfigError("--platform ray needs -n N: the number of nodes of the whole job")
+        mq_type = check_mq_type(mq_type)
+        profile_for(mq_type)  # (a ConfigError for an mq type whose nodes cannot be launched)
+        resolve_main(main_, package)  # a typo fails here, not in n actors
+        ids = list(range(n))
+        if roles:
+            if labels:
+                raise ConfigError("give --roles or --labels, not both")
+            node_labels = assign_roles(roles, ids)
+        else:
+            if len(labels) > 1 and len(labels) != n:
+                raise ConfigError(f"--labels given {len(labels)} times for {n} nodes: give it once or once per node")
+            node_labels = parse_labels(list(labels) if len(labels) > 1 else (labels[0] if labels else None), ids)
+        job = on_ray.RayJob(main=main_, mq_type=mq_type, world_size=n, labels=node_labels,
+                            resources=on_ray.parse_resources(ray_resources, node_labels),
+                            backend_options=checked_flags(backend_for(mq_type), mq_type, _parsed(mq_type, backend_flags)),
+                            topology=topology, args={"argv": list(args)}, package=package, log_level=log_level)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    results = _exit_on_failure(lambda: on_ray.run(job, address=ray_address, deadline_s=job_timeout),
+                               "every node's Ray actor was killed")
+    hosts = sorted({r["host"] for r in results.values()})
+    click.echo(f"mq run: {n} nodes ended on Ray ({len(hosts)} Ray node(s): {', '.join(hosts)})", err=True)

@@ -194,5 +194,16 @@ def create(mq_type: str, node_id: int, labels: Any = None, **options: Any) -> MQ
     core, ours = route_options(mq_type, cls, fixed, options)
     if not isinstance(node_id, int) or isinstance(node_id, bool) or node_id < 0:
         raise ConfigError(f"node_id must be a non-negative int, got {node_id!r}")
-    transport = cls(node_id, cls.Options(**fixed, **ours), timeout=core.get("timeout", DEFAULT_TIMEOUT_S))
+    timeout = core.get("timeout", DEFAULT_TIMEOUT_S)
+    if isinstance(ours.get("init_method"), str) and ours["init_method"].startswith("ray://"):
+        _meet_through_ray(node_id, cls, core, ours, timeout)
+    transport = cls(node_id, cls.Options(**fixed, **ours), timeout=timeout)
     return MQ(node_id, labels, transport=transport, mq_type=mq_type, **core)
+
+
+def _meet_through_ray(node_id: int, cls: type, core: dict[str, Any], ours: dict[str, Any], timeout: Any) -> None:
+    """``init_method="ray://GROUP"``: see :func:`mq.integrations.ray.node_options`."""
+    from mq.integrations.ray import node_options
+    from mq.options import check_seconds
+
+    node_options(node_id, transport_options(cls), core, ours, check_seconds(timeout, "timeout"))

@@ -7,6 +7,8 @@ torchrpc its locality descriptor (before ``init_rpc``, which fixes TensorPipe's 
 - ``tcp://host:port`` — a torch TCPStore (libuv backend); node 0 hosts it.
 - ``env://`` — MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the environment.
 - ``file:///shared/path`` — a torch FileStore on a filesystem every node sees.
+- ``ray://GROUP`` — nodes in Ray actors: Ray tells them node 0's ``tcp://`` store
+  (:mod:`mq.integrations.ray`; resolved by ``mq.create``).
 
 Each node writes ``<run>/<node_id>`` = msgpack(info), signed with the job secret
 (:func:`sign_entry`: anyone who reaches the store can write it), and waits for the others; it
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
@@ -29,11 +32,12 @@ from mq.errors import ConfigError, ProtocolError, Timeout
 from mq.options import TOPOLOGIES, check_choice
 
 log = logging.getLogger("mq.rendezvous")
+_RAY_GROUP = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 
 
 @dataclass(frozen=True)
 class InitMethod:
-    scheme: str  # tcp | file
+    scheme: str  # tcp | file | ray (path: the group)
     host: str = ""
     port: int = 0
     path: str = ""
@@ -42,7 +46,7 @@ class InitMethod:
 
 
 def parse_init_method(init_method: str, environ: Mapping[str, str] | None = None) -> InitMethod:
-    """Parse ``tcp://host:port``, ``env://`` or ``file://path``.
+    """Parse ``tcp://host:port``, ``env://``, ``file://path`` or ``ray://GROUP``.
 
     Raises:
         ConfigError: the form is wrong or env:// variables are missing.
@@ -73,7 +77,13 @@ def parse_init_method(init_method: str, environ: Mapping[str, str] | None = None
         if not path:
             raise ConfigError(f"init_method {init_method!r} needs a path, e.g. file:///tmp/mq-rendezvous")
         return InitMethod("file", path=path)
-    raise ConfigError(f"init_method {init_method!r} must start with tcp://, env:// or file://")
+    if init_method.startswith("ray://"):  # resolved to a tcp:// store by mq.create (mq.integrations.ray)
+        group = init_method[len("ray://"):]
+        if not _RAY_GROUP.match(group):
+            raise ConfigError(f"init_method {init_method!r}: the group after ray:// must be 1-100 letters, "
+                              "digits, '_', '.' or '-', the same on every node of the job (e.g. ray://my-job)")
+        return InitMethod("ray", path=group)
+    raise ConfigError(f"init_method {init_method!r} must start with tcp://, env://, file:// or ray://")
 
 
 def attach_targets(node_id: int, node_ids: list[int], topology: str) -> list[int]:

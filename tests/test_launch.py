@@ -212,7 +212,7 @@ def test_a_launcher_that_is_pid_1_keeps_its_workers():
     (["--mq-type", "torchrpc:cuda", "--cuda-device-map", "1_0"], "'1_0' is malformed"),
     (["--platform", "mars"], "platform must be local, slurm or k8s"),
     (["--platform", "slurm"], "SLURM"),
-    (["--init-method", "http://x:1"], "must start with tcp://, env:// or file://"),
+    (["--init-method", "http://x:1"], "must start with tcp://, env://, file:// or ray://"),
     (["--parallel-workers", "two"], "'two' is not a valid integer"),
     (["--labels", "a", "--labels", "b", "--labels", "c"], "--labels given 3 times for 1 workers"),
     (["--roles", "learner"], "'learner' is not role:count"),

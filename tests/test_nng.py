@@ -159,7 +159,7 @@ def test_rendezvous_env_and_file_forms(tmp_path, monkeypatch):
     ("env://", "MASTER_ADDR"),
     ("tcp://nohost", "needs a host and a port"),
     ("file://", "needs a path"),
-    ("udp://x:1", "must start with tcp://, env:// or file://"),
+    ("udp://x:1", "must start with tcp://, env://, file:// or ray://"),
 ])
 def test_bad_init_methods(init, reason, monkeypatch):
     from mq.rendezvous import parse_init_method

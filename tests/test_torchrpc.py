@@ -323,7 +323,7 @@ def test_torchrpc_cuda_without_gpu_is_a_config_error():
 @pytest.mark.parametrize("options, match", [
     ({"world_size": 2}, "init_method"),
     ({"init_method": "tcp://127.0.0.1:1"}, "world_size"),
-    ({"init_method": "udp://x:1", "world_size": 2}, "tcp://, env:// or file://"),
+    ({"init_method": "udp://x:1", "world_size": 2}, "tcp://, env://, file:// or ray://"),
     ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "node_id": 2}, r"\[0, world_size=2\)"),
     ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "device": "tpu"}, "device"),
     ({"init_method": "tcp://127.0.0.1:1", "world_size": 2, "send_window": 0}, "send_window"),

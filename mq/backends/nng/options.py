@@ -48,8 +48,9 @@ class NngOptions:
             after the previous one, with nothing received meanwhile (a stream, not
             request/reply), queues behind it and leaves batched from the peer's flusher thread;
             0 (the default) batches only behind a full pipe.
-        init_method: ``tcp://host:port``, ``env://`` or ``file://path``: find peers through a
-            rendezvous store instead of ``attach_to`` (needs ``world_size``).
+        init_method: ``tcp://host:port``, ``env://``, ``file://path`` or ``ray://GROUP`` (nodes
+            in Ray actors): find peers through a rendezvous store instead of ``attach_to``
+            (needs ``world_size``).
         world_size: with ``init_method``, the number of nodes.
         topology: with ``init_method``, which peers to dial: ``mesh``, ``star`` or ``alone``.
         tls: ``{"cert": path, "key": path, "ca": path}`` (PEM files): links between hosts use

@@ -32,7 +32,7 @@ class TorchRpcOptions:
         world_size: number of nodes in the job; node ids are 0 .. world_size-1. Default: the
             ``WORLD_SIZE`` of ``env://``.
         init_method: ``tcp://host:port`` (node 0 hosts the store), ``env://`` (MASTER_ADDR,
-            MASTER_PORT) or ``file:///path``.
+            MASTER_PORT), ``file:///path`` or ``ray://GROUP`` (nodes in Ray actors).
         local_cuda_devices: logical GPU indices this node uses (``torchrpc:cuda``).
         cuda_device_map: ``"1_0_1,2_0_2"``-style map (see :mod:`mq.device_map`); default: each
             local GPU to the same index on every peer. Only with ``torchrpc:cuda``.
