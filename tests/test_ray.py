@@ -242,10 +242,18 @@ def test_a_sigkilled_actor_is_a_launch_error_naming_its_node(cluster, tmp_path):
     _no_actor_left()
 
 
+@pytest.mark.parametrize("ignored", [False, True], ids=["", "started-ignoring-them"])
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_ctrl_c_and_sigterm_leave_no_actor_behind(cluster, tmp_path, sig, code):
+def test_ctrl_c_and_sigterm_leave_no_actor_behind(cluster, tmp_path, sig, code, ignored):
+    """Also when mq run starts with both signals ignored, as a background job of a script does
+    (SIGINT then did nothing: a CI run)."""
+    def ignore() -> None:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
     proc = subprocess.Popen([sys.executable, "-m", "mq.cli.main", "run", "--platform", "ray", "-n", "3",
-                             "--main", "tests.jobs.ray_mains:parks", "--", str(tmp_path)],
+                             "--main", "tests.jobs.ray_mains:parks", "--", str(tmp_path)], preexec_fn=ignore,
                             env=cluster.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert len(_reports(str(tmp_path), 3, timeout=120)) == 3, "the nodes did not start"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -153,18 +154,22 @@ def run(job: RayJob, *, address: str | None = None, deadline_s: float | None = N
     Raises:
         ConfigError: no Ray, or no cluster there.
         LaunchError: a node failed or its actor died (named), the job timed out, or it was
-            stopped by SIGTERM (exit code 143); KeyboardInterrupt passes through. The job's
-            actors are killed in every case.
+            stopped by Ctrl-C or SIGTERM (exit codes 130, 143). The job's actors are killed
+            in every case.
     """
     from mq.integrations.ray import connect
-    from mq.launch import EXIT_TERM, LaunchError
+    from mq.launch import EXIT_INT, EXIT_TERM, LaunchError
 
     ray = connect("mq run --platform ray", address, show_output=True)
     _check_fits(job, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
     cls = ray.remote(max_restarts=0)(NodeActor)
     actors: dict[int, Any] = {}
-    terminated: list[int] = []  # (a handler must not raise inside Ray's own wait: looked at each turn)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
+    # Ctrl-C and SIGTERM, also where this process was started with them ignored (a background
+    # job of a script): a handler must not raise inside Ray's own wait, so it is looked at each turn.
+    stopped_by: list[int] = []
+    previous = ({sig: signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
+                 for sig in (signal.SIGINT, signal.SIGTERM)}
+                if threading.current_thread() is threading.main_thread() else {})
     try:
         for n in range(job.world_size):
             actors[n] = cls.options(name=None, **_actor_options(job.resources[n])).remote()
@@ -172,8 +177,10 @@ def run(job: RayJob, *, address: str | None = None, deadline_s: float | None = N
         results: dict[int, dict[str, Any]] = {}
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         while pending:
-            if terminated:
-                raise LaunchError({}, reason="stopped by SIGTERM; every node's actor was killed", exit_code=EXIT_TERM)
+            if stopped_by:
+                sig = stopped_by[0]
+                raise LaunchError({}, reason=f"stopped by {signal.Signals(sig).name}; every node's actor was killed",
+                                  exit_code=EXIT_INT if sig == signal.SIGINT else EXIT_TERM)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise LaunchError({}, reason=f"the job did not end within --timeout {deadline_s:g}s; "
@@ -184,7 +191,8 @@ def run(job: RayJob, *, address: str | None = None, deadline_s: float | None = N
                 results[n] = _result(ray, ref, n)
         return results
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for actor in actors.values():
             try:
                 ray.kill(actor, no_restart=True)
