@@ -85,8 +85,10 @@ def codec_target(data: bytes) -> None:
         pass
     try:
         for header, buffers in split_batch(data):
+            _RESOLVED.clear()
             try:
-                _check_payload(codec.decode(header, buffers, _resolve).payload, data)
+                payload = codec.decode(header, buffers, _resolve).payload
+                _check_payload(payload, data, shared_bytes=sum(_RESOLVED))
             except ProtocolError:
                 pass
     except ProtocolError:
@@ -94,6 +96,7 @@ def codec_target(data: bytes) -> None:
 
 
 _SHARED = bytearray(64)  # what every descriptor "resolves" to: a peer's memory, not ours
+_RESOLVED: list[int] = []  # the bytes of each descriptor the frame being decoded resolved
 
 
 def _resolve(sender: int, desc: Any) -> memoryview:
@@ -101,12 +104,16 @@ def _resolve(sender: int, desc: Any) -> memoryview:
     ProtocolError otherwise (the ``shm`` target fuzzes the real one)."""
     if not (isinstance(desc, list) and len(desc) == 5 and all(type(x) is int for x in desc)):
         raise ProtocolError(f"malformed shared-memory descriptor {desc!r}")
+    _RESOLVED.append(len(_SHARED))
     return memoryview(_SHARED)
 
 
-def _check_payload(payload: Any, frame: bytearray) -> None:
+def _check_payload(payload: Any, frame: bytearray, shared_bytes: int = 0) -> None:
     """A decoded payload may view its frame's memory, but may not own more bytes than the frame
-    has: whatever a decoder copies or allocates for a peer must be paid for in bytes sent."""
+    has: whatever a decoder copies or allocates for a peer must be paid for in bytes sent.
+    Bytes a peer put in shared memory count as sent (``shared_bytes``, one descriptor's span
+    once): a large ``bytes`` value lent that way is copied out of the pool by design, and the
+    codec lets a frame name each buffer once."""
     views = [_span(frame), _span(_SHARED)]
     owned: dict[str, int] = {}  # by type: which decoder path allocated it
     seen, todo = set(), [payload]
@@ -128,8 +135,8 @@ def _check_payload(payload: Any, frame: bytearray) -> None:
                     lo <= memory[0] < hi for lo, hi in views):
                 seen.add(memory[0])
                 owned[type(obj).__name__] = owned.get(type(obj).__name__, 0) + memory[1]
-    if sum(owned.values()) > len(frame):
-        raise Finding(f"a {len(frame)}-byte frame decoded to a payload owning "
+    if sum(owned.values()) > len(frame) + shared_bytes:
+        raise Finding(f"a {len(frame)}-byte frame (and {shared_bytes} shared bytes) decoded to a payload owning "
                       f"{sum(owned.values())} bytes ({', '.join(f'{k}: {v}' for k, v in sorted(owned.items()))})")
 
 
