@@ -7,6 +7,7 @@ Thin: parses options into :class:`mq.tools.bench.BenchConfig`, shows progress, p
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -59,12 +60,18 @@ def _fail(message: str) -> click.ClickException:
                    "(with --device cuda: auto). rdma (with --two-hosts, NIXL installed): both nodes "
                    "made with rdma='tcp', mq's rdma path over UCX's tcp transport, no RDMA device "
                    "needed; only when named. torchrpc rows always use auto.")
-@click.option("--mode", "modes", multiple=True, type=click.Choice(lib.MODES),
+@click.option("--mode", "modes", multiple=True, type=click.Choice([*lib.MODES, "fleet"]),
               help="roundtrip (default): B echoes; oneway: B acks with a tiny message; fanout: A "
                    "publishes to --subscribers peers and waits for every ack (also measured with one "
                    "subscriber, for the ratio); stream: bursts of --messages small messages, "
                    "lossless and in order, against raw pynng Push0/Pull0; call: A q.call()s B's "
-                   "echo handler (q.on), against raw rpc_sync / pynng Req0-Rep0. Repeatable.")
+                   "echo handler (q.on), against raw rpc_sync / pynng Req0-Rep0; fleet: --nodes nodes in "
+                   "--procs processes join a full mesh by rendezvous, then idle (join time, the idle "
+                   "job's CPU, the slowest stop; mq.tools.bench_fleet). Repeatable.")
+@click.option("--nodes", "fleet_nodes", default="16,64", show_default=True, metavar="LIST",
+              help="fleet: job sizes, comma-separated.")
+@click.option("--procs", "fleet_procs", type=click.IntRange(1), default=8, show_default=True,
+              help="fleet: processes the nodes are spread over (at most one per node).")
 @click.option("--subscribers", type=click.IntRange(1), default=4, show_default=True,
               help="fanout: subscribers of the publisher, each its own process.")
 @click.option("--messages", type=click.IntRange(1), default=1000, show_default=True,
@@ -125,7 +132,8 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
           subscribers: int, messages: int, device: str, sizes: str | None,
           max_seconds: float | None, target_seconds: float, min_samples: int, max_samples: int,
           warmup: int, two_hosts: bool, fan_hosts: str | None, link_rate: str | None, suite: bool, no_baseline: bool, no_links: bool, split_cpus: bool, busy_poll: bool | None, background_load: int, fmt: str,
-          out_dir: str | None, plot_path: str | None, quiet: bool) -> None:
+          out_dir: str | None, plot_path: str | None, quiet: bool, fleet_nodes: str = "16,64",
+          fleet_procs: int = 8) -> None:
     """Latency (round trip, one-way, fan-out) and stream throughput between processes per mq
     type, route and size, against raw pynng, raw pyzmq and raw torch RPC and the memcpy bound
     measured in the same run (interleaved), with the mq / raw and mq / bound p50 ratios."""
@@ -143,6 +151,9 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
     if max_samples < min_samples:
         raise _fail("--max-samples must be >= --min-samples")
 
+    if "fleet" in modes:
+        _fleet(fleet_nodes, fleet_procs, modes, fmt)
+        return
     if fan_hosts is not None:
         _fanout_across_hosts(fan_hosts, modes, size_list if sizes else [], subscribers, min_samples, quiet,
                              link_rate)
@@ -337,6 +348,25 @@ def _print_gpu(console: Any, report: lib.Report) -> None:
     for c in report.checks:
         color = "green" if c["passed"] else ("yellow" if c["value"] is None else "red")
         console.print(f"[{color}]{escape(lib.check_line(c))}[/{color}]")
+
+
+def _fleet(nodes: str, procs: int, modes: tuple[str, ...], fmt: str) -> None:
+    from mq.tools import bench_fleet
+
+    if tuple(modes) != ("fleet",):
+        raise _fail("--mode fleet goes alone (no other --mode)")
+    try:
+        sizes = [int(n) for n in nodes.split(",") if n.strip()]
+    except ValueError:
+        raise _fail(f"--nodes {nodes!r}: give job sizes as whole numbers, e.g. 16,64") from None
+    if not sizes or min(sizes) < 2:
+        raise _fail(f"--nodes {nodes!r}: every job needs at least 2 nodes")
+    # Each job over the most processes (up to --procs) that hold the same number of nodes.
+    rows = [bench_fleet.run(n, max(d for d in range(1, min(procs, n) + 1) if n % d == 0), idle=10.0, timeout=120.0)
+            for n in sizes]
+    click.echo(json.dumps(rows, indent=1) if fmt == "json" else bench_fleet.table(rows))
+    if any(r["errors"] for r in rows):
+        raise SystemExit(1)
 
 
 def _fanout_across_hosts(fan_hosts: str, modes: tuple[str, ...], sizes: list[int], subscribers: int,

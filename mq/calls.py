@@ -142,7 +142,7 @@ class Calls:
                                    f"frame of call {env.corr} from node {env.sender}")
             raise ProtocolError(f"node {peer} answered call {frame.head[5]} with something else")
         self._stats.received += 1
-        p.last_seen = time.monotonic()
+        p.last_seen = p.last_traffic = time.monotonic()
         return env
 
     def on_reply(self, env: Envelope) -> None:
@@ -268,7 +268,7 @@ class Calls:
             if not self._admit(env):
                 return None
             self._stats.received += 1
-            peer.last_seen = time.monotonic()
+            peer.last_seen = peer.last_traffic = time.monotonic()
             try:
                 return self._answer(env)
             finally:

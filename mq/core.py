@@ -59,7 +59,10 @@ from mq.waits import LIVE_OR_STOPPING, Waits
 
 log = logging.getLogger("mq")
 
-NATIVE_DROPS_EVERY_S = 5.0  # how often the heartbeat reads the transport library's drop counters
+# How often the heartbeat reads the transport library's drop counters (stats() reads them too).
+# NNG's statistics come as a copy of the whole process's tree (every socket and pipe): with
+# several nodes of a big mesh in one process, reading it every 5 s was most of their idle cost.
+NATIVE_DROPS_EVERY_S = 30.0
 
 
 
@@ -129,7 +132,8 @@ class MQ:
                  "max_frame_bytes": opts.max_frame_bytes, "window": window}
         self._join = join = Join(node_id, hello, self.locality, delivery.topics, transport, sender, peers,
                                  refusals, life, secret=self.secret, timeout=self.timeout,
-                                 required=opts.require_route)
+                                 required=opts.require_route,
+                                 world_size=getattr(getattr(transport, "rendezvous", None), "world_size", None))
         self._fanout = fanout = _fanout.Fanout(
             node_id, peers, sender, self.codec, refusals, life, ping=liveness.ping, deliver=delivery.deliver,
             reader_busy=liveness.reader_busy, min_bytes=opts.relay_min_bytes, shape=opts.relay_shape,
@@ -325,7 +329,7 @@ class MQ:
                         return env.payload
                     raise remote_error(env)
             # A REQ frame; the REP frame resolves the future (dispatch -> Calls.on_reply).
-            with self._calls.pending(peer, corr) as fut:
+            with self._calls.pending(peer, corr) as fut, self._waits.depend((peer,)):
                 self._deliver_to([peer], frame, deadline)
                 answered = self._calls.answered(peer, corr, fut)  # True, or PeerLost (not promised)
                 self._delivery.read_while(answered, deadline)

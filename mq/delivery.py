@@ -178,15 +178,18 @@ class Delivery:
     def finish(self, timeout: float) -> None:
         """Wait up to ``timeout`` for the handler thread to end (after the node stopped)."""
         if self._thread is not None:
+            self.handler_queue.put_now((None, None), 0)  # wakes the loop to see the node stopped
             _waits.join(self._thread, timeout)
 
     def _handlers_loop(self) -> None:
         while self._life.running or not self.handler_queue.empty():
             try:
-                fn, msg = self.handler_queue.get(timeout=_waits.RECHECK_S)
+                fn, msg = self.handler_queue.get(timeout=_waits.PAUSE_RECHECK_S)  # (a stop wakes it)
             except IndexError:
                 if not self._life.running:
                     return
+                continue
+            if fn is None:  # finish(): look at the node's state now
                 continue
             self._metrics.delivered(msg.topic, msg.sent_at)
             try:

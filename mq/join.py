@@ -60,7 +60,7 @@ class Join:
     def __init__(self, node_id: int, hello: dict[str, Any], locality: Locality,
                  subscriptions: Callable[[], frozenset[str]], transport: Transport, sender: Sender,
                  peers: PeerTable, refusals: Refusals, life: Lifecycle, *, secret: Any, timeout: float,
-                 required: Any = None):
+                 required: Any = None, world_size: int | None = None):
         self.node_id = node_id
         self._hello = hello
         self._locality = locality
@@ -73,6 +73,10 @@ class Join:
         self._secret = secret
         self._timeout = timeout
         self._required = required  # require_route=, normalised (mq.node_options.required_routes)
+        # Joins in progress at once: bounded (a flood of HELLOs proves nothing), but never below
+        # what the job itself brings: all its nodes greet a new member at once. With a bound
+        # under that, a 256-node mesh never formed: each node dropped the joins it was finishing.
+        self._max_pending = max(MAX_PENDING, 2 * (world_size or 0))
         self.greetings: dict[str, tuple[bytes, Any, float]] = {}  # token -> (our nonce, target, when)
         self._refused_by: dict[str, str] = {}  # target -> why its answer was refused (auth, id)
         self._refusals_sent: dict[int, float] = {}  # node id -> when we last told a duplicate of it
@@ -134,7 +138,7 @@ class Join:
         peer = self._new_peer(info)
         ack["read_ok"] = self._sender.shm.tag in peer.readers
         with self.lock:
-            if len(self._pending) >= MAX_PENDING:  # a join flood must not grow without bound
+            if len(self._pending) >= self._max_pending:  # a join flood must not grow without bound
                 self._drop_pending(next(iter(self._pending)), "too many joins in progress")
             entries = self._pending.setdefault((peer_id, info["incarnation"]), [])
             entries.append((nonce, peer, time.monotonic()))
@@ -157,9 +161,9 @@ class Join:
     def _answer_later(self, answer: tuple[int, dict[str, Any], Peer, dict[str, Any]]) -> None:
         """Answer a HELLO from the joins thread: the transport's connect may block (a tcp link
         to a port that drops SYNs), and a HELLO proves nothing yet, so a stranger's forged ones
-        must not hold up the I/O thread. At most MAX_PENDING wait; the oldest goes first."""
+        must not hold up the I/O thread. At most ``_max_pending`` wait; the oldest goes first."""
         with self._joiner_lock:
-            if len(self._answers) >= MAX_PENDING:
+            if len(self._answers) >= self._max_pending:
                 dropped = self._answers.get_nowait()
                 self._refusals.reject("pending_overflow", f"too many joins to answer: node {dropped[0]}'s waits")
             self._answers.put(answer)
@@ -171,7 +175,7 @@ class Join:
     def _joins_loop(self) -> None:
         while self._life.listening:
             try:
-                peer_id, info, peer, ack = self._answers.get(0.5)
+                peer_id, info, peer, ack = self._answers.get(2.0)  # (a stop wakes it)
             except (TimeoutError, IndexError):
                 continue
             with self.lock:

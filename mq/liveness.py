@@ -1,9 +1,11 @@
 """Liveness: heartbeats, receipts, flush and farewell.
 
-:class:`Liveness` owns the heartbeat thread and the judgement of silence: it pings idle peers
-(a PING carries our receipt, the count of their frames we received), declares silent peers
-lost in the peer table, and knows when this process itself was not scheduled (then nobody's
-silence is proven). ``flush`` waits for a peer's receipt; ``farewell`` tells every live peer
+:class:`Liveness` owns the heartbeat thread and the judgement of silence: it pings the peers
+worth probing (a PING carries our receipt, the count of their frames we received): those we
+traded data or calls with lately and those a wait of ours depends on (:meth:`mq.waits.Waits.depend`);
+it declares silent ones lost in the peer table, and knows when this process itself was not
+scheduled (then nobody's silence is proven). A peer that is neither costs nothing: the idle
+cost of a node does not grow with the size of its mesh. ``flush`` waits for a peer's receipt; ``farewell`` tells every live peer
 we leave (BYE) and waits for their answers. Data flows::
 
     heartbeat thread -> Sender (PING) ; silence -> PeerTable.lose
@@ -13,6 +15,7 @@ we leave (BYE) and waits for their answers. Data flows::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -23,7 +26,7 @@ from mq.calls import Calls
 from mq.codec import BYE, PING, REP_OK, Envelope
 from mq.errors import MQError, PeerLost
 from mq.lifecycle import Lifecycle
-from mq.peers import PeerTable
+from mq.peers import Peer, PeerTable
 from mq.sender import Sender
 from mq import waits
 from mq.waits import LIVE_OR_STOPPING, Flag
@@ -33,14 +36,22 @@ log = logging.getLogger("mq")
 #: A peer lost while stop() waits for its answer to our goodbye: its answer, sent just before its
 #: link closed, may still be on its way on the other link of the pair; it gets this long.
 ANSWER_GRACE_S = 0.25
+#: A pair quiet (no data, no calls, either way) for this many peer timeouts is not probed
+#: until traffic or a wait on it resumes: an idle mesh costs nothing however large.
+IDLE_AFTER_TIMEOUTS = 2.0
+#: The heartbeat thread's tick while no peer is probed (else min(heartbeat, 0.5) s).
+IDLE_TICK_S = 2.0
 
 
 class Liveness:
     """Liveness of node ``node_id``'s peers (see the module docstring).
 
     Args:
-        heartbeat: seconds between pings of an idle peer.
-        peer_timeout: a peer silent this long is lost.
+        heartbeat: seconds between pings of a peer that is probed.
+        peer_timeout: a probed peer silent this long is lost.
+
+    ``idle_after`` (:data:`IDLE_AFTER_TIMEOUTS` peer timeouts): a pair with no data or calls
+    for this long is no longer probed unless a wait depends on it (see :meth:`_look_at`).
     """
 
     def __init__(self, node_id: int, sender: Sender, peers: PeerTable, calls: Calls, life: Lifecycle,
@@ -52,11 +63,14 @@ class Liveness:
         self._life = life
         self.heartbeat = heartbeat
         self.peer_timeout = peer_timeout
+        self.idle_after = IDLE_AFTER_TIMEOUTS * peer_timeout
         self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
         self._busy = 0  # readers working on one frame for a while (reader_busy)
         self._busy_lock = threading.Lock()
         self._waits = peers.waits
-        self._receipts_due = Flag(self._waits)  # wakes the heartbeat thread to send receipts
+        self._wanted = Flag(self._waits)  # wakes the heartbeat thread: receipts due, or new dependents
+        self._newly_depended: collections.deque[int] = collections.deque()
+        self._waits.depending = self._depending
 
     def stalled(self) -> None:
         """Our reader is blocked (a full queue): frames wait unread, so silence proves nothing."""
@@ -90,7 +104,16 @@ class Liveness:
     def receipt_due(self) -> None:
         """A peer's window to us is a quarter used since our last receipt (dispatch): send it
         one now, from the heartbeat thread (an I/O thread must not wait on a link)."""
-        self._receipts_due.set()
+        self._wanted.set()
+
+    def _depending(self, node_id: int) -> None:
+        """A wait started depending on peer ``node_id`` (under the waits' lock: no blocking).
+        A peer probed already (traffic) needs nothing: a send held back by flow control, many
+        times a second, must not wake the heartbeat thread each time."""
+        p = self._peers.get(node_id)
+        if p is not None and not p.probed:
+            self._newly_depended.append(node_id)
+            self._wanted.set()
 
     def on_bye(self, env: Envelope) -> None:
         """The peer leaves: take its receipt, answer with ours (it waits for that before
@@ -140,8 +163,9 @@ class Liveness:
                                f"{target} frames sent to it")
             return False
 
-        self._waits.until(done, deadline, on=(p,), what=lambda: f"node {peer} confirmed {p.acked} of "
-                                                           f"{target} frames within {timeout:g}s")
+        with self._waits.depend((peer,)):
+            self._waits.until(done, deadline, on=(p,), what=lambda: f"node {peer} confirmed {p.acked} of "
+                                                               f"{target} frames within {timeout:g}s")
 
     def farewell(self, deadline: float) -> dict[int, int]:
         """Tell every live peer we leave (BYE, with our receipt) and wait until ``deadline``
@@ -170,7 +194,8 @@ class Liveness:
                            for peer, fut in waiting.items())
 
             try:
-                self._waits.until(settled, deadline, on=tuple(waiting.values()), states=LIVE_OR_STOPPING)
+                with self._waits.depend(waiting):  # a peer that froze meanwhile is judged silent
+                    self._waits.until(settled, deadline, on=tuple(waiting.values()), states=LIVE_OR_STOPPING)
             except MQError:
                 pass  # out of time: the peers that did not answer are reported below
             for peer, fut in waiting.items():
@@ -186,16 +211,20 @@ class Liveness:
 
     # ------------------------------------------------------------------ the heartbeat thread
     def run(self, housekeeping: Callable[[float], None]) -> None:
-        """The heartbeat thread: ping idle peers (a ping carries our receipt), declare silent
-        peers lost, and call ``housekeeping(now)`` (the join's expiries) every tick."""
-        tick = min(self.heartbeat, 0.5)
+        """The heartbeat thread: probe peers (a ping carries our receipt), declare silent
+        probed peers lost (:meth:`_look_at`), and call ``housekeeping(now)`` (the join's
+        expiries) every tick."""
+        busy_tick = min(self.heartbeat, 0.5)
+        tick = busy_tick
         last = time.monotonic()
         # Also while stopping: stop()'s drain waits for peers' answers, and a peer that froze
         # meanwhile must be judged silent (and the drain end) within peer_timeout.
         while self._life.state in ("listening", "stopping"):
-            if self._receipts_due.wait(max(0.0, last + tick - time.monotonic())):
-                self._receipts_due.clear()
+            if self._wanted.wait(max(0.0, last + tick - time.monotonic())):
+                self._wanted.clear()
                 self._send_due_receipts()
+                if self._probe_new_dependents():
+                    tick = busy_tick  # a peer probed now is probed every heartbeat from now on
                 if time.monotonic() < last + tick:
                     continue
             now = time.monotonic()
@@ -205,16 +234,53 @@ class Liveness:
                 self._stalled_until = max(self._stalled_until, now + self.heartbeat)
             last = now
             self._send_due_receipts()  # those whose last try failed
+            stalled = self._busy > 0  # our reader holds frames unread: everyone hears from us
+            depended, idle_since = self._waits.depended, now - self.idle_after
+            probing = False
             for p in self._peers.list():
-                if p.lost:
-                    continue
-                if now - p.last_sent >= self.heartbeat:
-                    self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))
-                silent = now - p.last_seen
-                if silent > self.peer_timeout and now > self._stalled_until and not self._busy:
-                    self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
-                                                "crashed or the network between us is down)")
+                if p.lost or (not p.probed and p.last_traffic <= idle_since and p.rx == p.rx_told
+                              and not stalled and p.node_id not in depended):
+                    continue  # idle, and known so: the common case in a large mesh (inlined)
+                self._look_at(p, now, stalled)
+                probing = probing or p.probed
+            # Nobody to probe: tick slowly. A wait that comes to depend on a peer wakes us
+            # (_depending), and traffic is noticed at the next tick (its silence counts from then).
+            tick = busy_tick if probing else max(busy_tick, IDLE_TICK_S)
             housekeeping(now)
+
+    def _probe_new_dependents(self) -> bool:
+        """Probe the peers waits came to depend on (now, not at the next tick); True if any."""
+        now, stalled, probed = time.monotonic(), self._busy > 0, False
+        while self._newly_depended:
+            p = self._peers.get(self._newly_depended.popleft())
+            if p is not None and not p.lost:
+                self._look_at(p, now, stalled)
+                probed = True
+        return probed
+
+    def _look_at(self, p: Peer, now: float, stalled: bool) -> None:
+        """One heartbeat tick for peer ``p``: probe it and judge its silence, while it is worth
+        it. A pair that exchanged data or calls within ``idle_after``, a peer some wait of ours
+        depends on, and every peer while our reader is stalled, are probed every ``heartbeat``
+        and lost after ``peer_timeout`` of silence. Any other peer is idle: it costs nothing
+        (a mesh of N nodes would otherwise ping N*(N-1) times a heartbeat, doing nothing),
+        and its silence proves nothing until probing resumes (then counted from then on)."""
+        depended = self._waits.depends_on(p.node_id) or stalled
+        if not depended and now - p.last_traffic >= self.idle_after:
+            p.probed = False
+            if p.rx != p.rx_told:
+                self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))  # the receipt it is owed
+            return
+        if not p.probed:
+            p.probed, p.judged_from = True, now
+            p.last_sent = 0.0  # ping now
+        if now - p.last_sent >= self.heartbeat:
+            # An idle peer does not probe us back: asked to answer (want), it does so at once.
+            self.ping(p.node_id, want=depended, timeout=min(self.heartbeat, 0.5))
+        silent = now - max(p.last_seen, p.judged_from)
+        if silent > self.peer_timeout and now > self._stalled_until and not self._busy:
+            self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
+                                        "crashed or the network between us is down)")
 
     def _send_due_receipts(self) -> None:
         for p in self._peers.list():

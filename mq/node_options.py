@@ -48,11 +48,13 @@ class NodeOptions:
         secret: the job secret peers must prove they know (default: ``MQ_SECRET``, else a
             per-user file; see :mod:`mq.auth`).
         insecure: turn authentication off: any process that reaches this node may join.
-        heartbeat: seconds between liveness probes of each peer.
-        peer_timeout: a peer silent this long is lost (its host crashed or the network broke):
-            blocked senders and callers get :class:`~mq.errors.PeerLost`. Detection takes at most
-            ``peer_timeout + heartbeat`` seconds (5 s by default). Time this process itself was
-            not scheduled does not count against peers.
+        heartbeat: seconds between liveness probes of a peer (of those worth probing: data or
+            calls either way within two peer timeouts, or a wait of ours on it; an idle pair
+            sends nothing, see :mod:`mq.liveness`).
+        peer_timeout: a probed peer silent this long is lost (its host crashed or the network
+            broke): blocked senders and callers get :class:`~mq.errors.PeerLost`. Detection takes
+            at most ``peer_timeout + heartbeat`` seconds (5 s by default). Time this process itself
+            was not scheduled does not count against peers.
         relay_min_bytes: a ``publish`` at least this large to peers on other hosts goes through
             relays there (:mod:`mq.fanout`); None: never.
         relay_shape: how relays nest: ``auto``, ``star``, ``tree`` or ``chain``.

@@ -62,8 +62,13 @@ class Peer:
     # receipt can come back before the send that it confirms has returned.
     tx_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     said_goodbye: bool = False  # it left by stop(): our answer to its BYE must still go out
-    last_seen: float = field(default_factory=time.monotonic)
-    last_sent: float = 0.0
+    last_seen: float = field(default_factory=time.monotonic)  # any frame from it
+    last_sent: float = 0.0  # any frame to it
+    # Data or calls either way (not heartbeats): a pair quiet for longer than liveness's
+    # ``idle_after`` is probed no more until traffic or a wait on it resumes (mq.liveness).
+    last_traffic: float = field(default_factory=time.monotonic)
+    probed: bool = True
+    judged_from: float = 0.0  # its silence counts from here (when probing resumed)
 
 
 class PeerTable:

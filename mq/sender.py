@@ -291,6 +291,8 @@ class Sender:
                 raise PeerLost(f"node {peer} {p.lost}") from None
             raise
         p.last_sent = time.monotonic()
+        if counted:
+            p.last_traffic = p.last_sent
         self._stats.sent += 1
         return receipt
 
@@ -370,7 +372,7 @@ class Sender:
     def _release_loop(self) -> None:
         """Send RELEASE frames for slots our receivers' views no longer reference (batched)."""
         while self._life.state in ("new", "listening", "stopping"):
-            for peer, items in self.releases.take(0.5).items():
+            for peer, items in self.releases.take(2.0).items():  # (close() wakes it)
                 p = self._peer_get(peer)
                 if p is None or p.lost:
                     continue  # its pool went with it

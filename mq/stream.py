@@ -171,8 +171,12 @@ class Stream:
         """
         self._need(sending=False)
         wait = self.timeout if timeout is None else timeout
-        self.q.waits.until(self._readable, time.monotonic() + wait, on=(self,),
-                           what=f"stream {self.name!r}: no message within {wait:g}s")
+        if self._head >= len(self._items):  # nothing waits: the open senders' loss must be noticed
+            with self._cond:
+                senders = [s for s, inc in self._from.items() if inc.ended is None]
+            with self.q.waits.depend(senders):
+                self.q.waits.until(self._readable, time.monotonic() + wait, on=(self,),
+                                   what=f"stream {self.name!r}: no message within {wait:g}s")
         with self._cond:
             sender, payload, n, sent_at = self._items[self._head]
             self._items[self._head] = None  # type: ignore[call-overload]

@@ -32,10 +32,11 @@ fails when code in ``mq/`` blocks on a lock, condition, event or queue anywhere 
 from __future__ import annotations
 
 import collections
+import contextlib
 import select
 import threading
 import time
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from mq.errors import ClosedError, PeerLost, Timeout
 
@@ -43,6 +44,10 @@ T = TypeVar("T")
 
 #: The longest a wait goes without looking again at its peers, its node and its condition.
 RECHECK_S = 0.1
+#: ... and a background loop's pause (:meth:`Waits.pause`): its items wake it, and so does a
+#: stop (``wake_all``); looking ten times a second in each of a node's idle loops was most
+#: of what an idle node cost (a few per cent of a core for 32 nodes in one process).
+PAUSE_RECHECK_S = 1.0
 #: Node states in which a wait goes on (by default): a stopping node's waits end, but the
 #: answers and the drain of ``stop()`` pass ``LIVE_OR_STOPPING``.
 LISTENING = frozenset({"listening"})
@@ -95,6 +100,11 @@ class Waits:
         #: before calling :meth:`wake`: a dict lookup, no call)
         self.watched: dict[int, list[_Sleeper]] = {}
         self._all: set[_Sleeper] = set()
+        #: node id -> how many waits depend on it now: liveness probes those peers (mq.liveness)
+        self.depended: dict[int, int] = {}
+        #: called (the hub's lock held: it must not block) when a wait starts depending on a
+        #: peer nobody depended on: liveness probes it at once rather than at its next tick
+        self.depending: Callable[[int], None] = lambda _node_id: None
         self.lookup: Callable[[int], Any] = lambda _peer: None
         #: called when a wait that depends on peers is about to sleep: their frames (receipts,
         #: replies, releases) must be read, so the transport's reader should look now
@@ -143,7 +153,7 @@ class Waits:
         sleeper = _Sleeper()
         keys = [id(obj) for obj in on]
         peers = tuple(peers)
-        self._enter(sleeper, keys)
+        self._enter(sleeper, keys, peers)
         if peers:
             self.reader_wanted()
         try:
@@ -159,13 +169,41 @@ class Waits:
                 with self._lock:
                     sleeper.rearm()
         finally:
-            self._leave(sleeper, keys)
+            self._leave(sleeper, keys, peers)
+
+    @contextlib.contextmanager
+    def depend(self, peers: Iterable[Any]) -> Iterator[None]:
+        """Count ``peers`` (node ids or peer objects) as depended on for the ``with`` block: a
+        wait that ends on its own condition (an answer, a receipt) but needs the peers' loss
+        noticed meanwhile. :meth:`until` does this for its ``peers``."""
+        ids = _ids(peers)
+        with self._lock:
+            self._count(ids, 1)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count(ids, -1)
+
+    def depends_on(self, node_id: int) -> bool:
+        """Whether a wait depends on peer ``node_id`` now."""
+        return node_id in self.depended
+
+    def _count(self, ids: tuple[int, ...], step: int) -> None:  # (the lock held)
+        for node_id in ids:
+            n = self.depended.get(node_id, 0) + step
+            if n > 0:
+                self.depended[node_id] = n
+                if n == 1 and step > 0:
+                    self.depending(node_id)
+            else:
+                self.depended.pop(node_id, None)
 
     def pause(self, ready: Callable[[], Any], seconds: float, *, on: Iterable[Any] = ()) -> bool:
         """A background loop's wait: until ``ready()`` or ``seconds`` passed (no peers, no
         state: the loop looks at those itself). True when ready."""
         try:
-            return bool(self.until(ready, time.monotonic() + seconds, on=on, states=_ANY))
+            return bool(self.until(ready, time.monotonic() + seconds, on=on, states=_ANY, every=PAUSE_RECHECK_S))
         except Timeout:
             return False
 
@@ -178,13 +216,14 @@ class Waits:
         poller = select.poll()
         poller.register(fd, events)
         peers = tuple(peers)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Timeout(what() if callable(what) else what)
-            if poller.poll(max(1, int(min(left, RECHECK_S) * 1000))):
-                return
-            self._check(peers, states)
+        with self.depend(peers):
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(what() if callable(what) else what)
+                if poller.poll(max(1, int(min(left, RECHECK_S) * 1000))):
+                    return
+                self._check(peers, states)
 
     def _check(self, peers: tuple[Any, ...], states: frozenset[str]) -> None:
         for peer in peers:
@@ -195,15 +234,19 @@ class Waits:
         if state not in states:
             raise ClosedError(f"the queue was stopped while waiting (it is {state})")
 
-    def _enter(self, sleeper: _Sleeper, keys: list[int]) -> None:
+    def _enter(self, sleeper: _Sleeper, keys: list[int], peers: tuple[Any, ...]) -> None:
         with self._lock:
             self._all.add(sleeper)
             for key in keys:
                 self.watched.setdefault(key, []).append(sleeper)
+            if peers:
+                self._count(_ids(peers), 1)
 
-    def _leave(self, sleeper: _Sleeper, keys: list[int]) -> None:
+    def _leave(self, sleeper: _Sleeper, keys: list[int], peers: tuple[Any, ...]) -> None:
         with self._lock:
             self._all.discard(sleeper)
+            if peers:
+                self._count(_ids(peers), -1)
             for key in keys:
                 waiting = self.watched.get(key)
                 if waiting is not None:
@@ -214,6 +257,10 @@ class Waits:
     def waiting(self) -> int:
         """Threads waiting now (tests, metrics)."""
         return len(self._all)
+
+
+def _ids(peers: Iterable[Any]) -> tuple[int, ...]:
+    return tuple(p if type(p) is int else p.node_id for p in peers)
 
 
 class _AnyState(frozenset):

@@ -2,7 +2,8 @@
 
 Every mode answers calls on "echo", "slow" and "stats" (its counters). Modes: ``hang`` serves and sleeps; ``pong`` answers each "ping" message from ``recv()`` with a
 "pong" of the same payload after ``payload["delay"]`` seconds; ``stall`` never reads "work" with a 2-message queue (its
-senders block); ``small`` accepts frames of at most 1 MiB; ``count`` reads nothing for a
+senders block); ``hoard`` reads nothing for ``MQ_TEST_HOARD_S`` seconds through a 2-message queue,
+then reads everything; ``streamer`` sends node 0 one message on stream "s"; ``small`` accepts frames of at most 1 MiB; ``count`` reads nothing for a
 second, then takes ``MQ_TEST_COUNT`` "work" messages through a 2-message queue (a batch holds more) and sends node 0 what arrived: their
 counters in order, and how many came batched (several frames to an NNG message).
 """
@@ -21,7 +22,7 @@ import mq
 def main() -> None:
     node_id, attach, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     options = {"stall": {"queue_size": 2}, "small": {"max_frame_bytes": 1 << 20},
-               "count": {"queue_size": 2}}.get(mode, {})
+               "count": {"queue_size": 2}, "hoard": {"queue_size": 2}}.get(mode, {})
     if os.environ.get("MQ_TEST_TLS"):  # {"cert","key","ca"} as JSON: links over TLS
         options.update(tls=json.loads(os.environ["MQ_TEST_TLS"]), protocol="tcp")
     if os.environ.get("MQ_TEST_PROTOCOL"):  # e.g. tcp: a same-host peer over the tcp route
@@ -31,6 +32,9 @@ def main() -> None:
         options.update(queue_size=int(size), queue_bytes=int(nbytes))
     if os.environ.get("MQ_TEST_LISTEN"):  # another "host": listen where the test can dial back
         options["listen_to"] = os.environ["MQ_TEST_LISTEN"]
+    if os.environ.get("MQ_TEST_LIVENESS"):  # "heartbeat,peer_timeout" (seconds)
+        heartbeat, peer_timeout = os.environ["MQ_TEST_LIVENESS"].split(",")
+        options.update(heartbeat=float(heartbeat), peer_timeout=float(peer_timeout))
     q = mq.create("nng", node_id, "peer", attach_to=[attach], timeout=10, **options)
     with q:
         q.on("echo", lambda x: x)
@@ -42,6 +46,12 @@ def main() -> None:
         print("ready", flush=True)
         if mode == "count":
             count(q, int(os.environ["MQ_TEST_COUNT"]))
+        if mode == "hoard":  # reads nothing for MQ_TEST_HOARD_S seconds, then every "work"
+            time.sleep(float(os.environ["MQ_TEST_HOARD_S"]))
+            while True:
+                q.recv(timeout=600)
+        if mode == "streamer":  # one message on stream "s" to node 0, then nothing
+            mq.Stream(q, "s", to=0).send(1, timeout=20)
         if mode == "pong":
             while True:
                 msg = q.recv(timeout=600)

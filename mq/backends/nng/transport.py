@@ -377,10 +377,9 @@ class NngTransport(Transport):
         with self._net_lock:
             gen = self._links_gen
             fds = [recv_fd, self._wake_r, *self._inbound, *self._watched, *self._listeners]
-        poller = select.poll()
-        for fd in fds:
-            if fd >= 0:
-                poller.register(fd, select.POLLIN)
+        poller = _PollSet(fd for fd in fds if fd >= 0)
+        if cached is not None:
+            cached[1].close()
         self._pollers.entry = (gen, poller)
         return poller
 
@@ -589,3 +588,25 @@ def _tls_config(files: dict[str, str], mode: int, server_name: str | None = None
     return pynng.TLSConfig(mode, ca_string=files["ca"], own_cert_string=files["cert"],
                            own_key_string=files["key"], server_name=server_name,
                            auth_mode=pynng.TLSConfig.AUTH_MODE_REQUIRED)
+
+
+class _PollSet:
+    """The fds one thread waits on, as ``select.poll`` takes them (``poll(ms)`` -> ``[(fd,
+    events)]``) but through epoll: ``poll()`` costs the kernel a visit to every fd at every
+    call, and an idle node of a large mesh waits on one fd per peer twice a second."""
+
+    __slots__ = ("_epoll",)
+
+    def __init__(self, fds: Any):
+        self._epoll = select.epoll()
+        for fd in fds:
+            try:
+                self._epoll.register(fd, select.EPOLLIN)
+            except OSError:  # closed since it was listed (a link went, a stop): the set is rebuilt
+                pass
+
+    def poll(self, ms: int) -> list[tuple[int, int]]:
+        return self._epoll.poll(ms / 1000 if ms >= 0 else -1)
+
+    def close(self) -> None:
+        self._epoll.close()

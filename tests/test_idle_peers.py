@@ -1,0 +1,143 @@
+"""Idle peers cost nothing, and a wait on one still ends when it dies (issue 49, mq.liveness).
+
+A pair of nodes that trade no data or calls for ``idle_after`` (two peer timeouts) stops
+probing each other: a mesh of N idle nodes would otherwise ping N*(N-1) times a heartbeat.
+What must not change: a wait that depends on such a peer (a call, a flush, a blocked send)
+probes it at once, and ends with PeerLost within ``peer_timeout`` + a heartbeat when the peer
+froze while idle; a peer that merely does not read (a hoarding receiver) is never declared lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import mq
+from mq.liveness import IDLE_AFTER_TIMEOUTS
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEARTBEAT, PEER_TIMEOUT = 0.25, 1.0
+IDLE_AFTER = IDLE_AFTER_TIMEOUTS * PEER_TIMEOUT
+
+
+def _frames_in(nodes: list[mq.MQ], seconds: float) -> int:
+    """Frames the nodes received in the next ``seconds``, heartbeats included (``sent`` counts
+    data only)."""
+    before = sum(q.stats().received for q in nodes)
+    time.sleep(seconds)
+    return sum(q.stats().received for q in nodes) - before
+
+
+def test_an_idle_pair_stops_probing_and_a_busy_pair_does_not():
+    opts = dict(heartbeat=HEARTBEAT, peer_timeout=PEER_TIMEOUT, secret="idle-peers-secret", timeout=10)
+    a = mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", **opts)
+    with a:
+        b = mq.create("nng", 1, attach_to=[a.addresses["tcp"]], **opts)
+        with b:
+            a.wait_for_peers(ids=[1], timeout=10)
+            b.wait_for_peers(ids=[0], timeout=10)
+            b.send(0, "x", 1)
+            a.recv(timeout=5)
+            # Within idle_after of the traffic both probe each other (heartbeats flow) ...
+            assert _frames_in([a, b], 4 * HEARTBEAT) >= 2
+            time.sleep(IDLE_AFTER + 2 * HEARTBEAT)
+            # ... after it, nothing at all is sent while nobody sends or waits.
+            assert _frames_in([a, b], 8 * HEARTBEAT) == 0
+            assert 1 in a.peers() and 0 in b.peers()
+            # Traffic resumes: so does probing, and nothing is judged silent meanwhile.
+            for i in range(3):
+                b.send(0, "x", i)
+                assert a.recv(timeout=5).payload == i
+            assert 1 in a.peers() and 0 in b.peers()
+
+
+def _peer(node: mq.MQ, mode: str, **env: str) -> subprocess.Popen:
+    env = {**os.environ, "MQ_TEST_LIVENESS": f"{HEARTBEAT},{PEER_TIMEOUT}", **env}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.jobs.nng_peer", "1", node.addresses["tcp"], mode],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    node.wait_for_peers(ids=[1], timeout=20)
+    return proc
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+    proc.wait(10)
+
+
+@pytest.mark.parametrize("op", ["call", "flush", "send", "stream-recv"])
+def test_a_wait_on_a_peer_that_froze_while_idle_ends_with_peer_lost(op):
+    """call, flush and send first send something (traffic: probing resumes); a stream's recv
+    sends nothing: only the wait's dependency on its sender makes it probed."""
+    node = mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", heartbeat=HEARTBEAT, peer_timeout=PEER_TIMEOUT,
+                     timeout=30, queue_size=4)
+    with node:
+        stream = mq.Stream(node, "s") if op == "stream-recv" else None
+        proc = _peer(node, "streamer" if stream else "hang")
+        try:
+            if stream is not None:
+                assert stream.recv(timeout=20).payload == 1
+            time.sleep(IDLE_AFTER + 2 * HEARTBEAT)
+            assert _frames_in([node], 4 * HEARTBEAT) == 0, "the pair is idle: nothing is probed"
+            os.kill(proc.pid, signal.SIGSTOP)  # frozen: its sockets stay open, it answers nothing
+            began = time.monotonic()
+            with pytest.raises(mq.PeerLost, match="node 1 (went silent|left the job)"):
+                if stream is not None:
+                    stream.recv(timeout=30)
+                elif op == "call":
+                    node.call(1, "echo", "hi", timeout=30)
+                elif op == "flush":
+                    node.send(1, "work", 1)
+                    node.flush(1, timeout=30)
+                else:  # its window (64 frames) fills, then the send waits for receipts
+                    for _ in range(10_000):
+                        node.send(1, "work", np.zeros(1024, np.uint8), timeout=30)
+            took = time.monotonic() - began
+            assert took <= PEER_TIMEOUT + HEARTBEAT + 1.5, f"{op}: PeerLost after {took:.2f}s"
+        finally:
+            _end(proc)
+
+
+def test_a_sender_blocked_on_a_peer_that_hoards_for_longer_than_idle_after_is_not_told_it_died():
+    hoard_s = IDLE_AFTER + PEER_TIMEOUT + 2.0
+    node = mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", heartbeat=HEARTBEAT, peer_timeout=PEER_TIMEOUT,
+                     timeout=30)
+    with node:
+        proc = _peer(node, "hoard", MQ_TEST_HOARD_S=str(hoard_s))
+        try:
+            began = time.monotonic()
+            for _ in range(200):  # far past its queue and our window: blocks until it reads
+                node.send(1, "work", np.zeros(1024, np.uint8), timeout=30)
+            node.flush(1, timeout=30)
+            assert time.monotonic() - began >= hoard_s - 1.0, "the sends never waited: nothing was tested"
+            assert 1 in node.peers()
+        finally:
+            _end(proc)
+
+
+def test_a_wait_on_an_idle_live_peer_times_out_and_is_never_told_it_died():
+    """The idle peer does not probe us: our probes ask it to answer (``want``), so its silence
+    is never mistaken for a death."""
+    node = mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", heartbeat=HEARTBEAT, peer_timeout=PEER_TIMEOUT,
+                     timeout=30)
+    with node:
+        stream = mq.Stream(node, "s")
+        proc = _peer(node, "streamer")
+        try:
+            assert stream.recv(timeout=20).payload == 1
+            time.sleep(IDLE_AFTER + 2 * HEARTBEAT)
+            with pytest.raises(mq.Timeout):
+                stream.recv(timeout=PEER_TIMEOUT * 3 + 1)
+            assert 1 in node.peers()
+        finally:
+            _end(proc)
