@@ -124,7 +124,6 @@ class Dispatch:
                 self._stats.received += 1
                 p.last_seen = time.monotonic()
                 if env.kind in COUNTED:
-                    p.last_traffic = p.last_seen
                     p.rx += 1
                     if p.rx - p.rx_told >= self._receipt_every and not p.receipt_due:
                         p.receipt_due = True  # its window is closing: confirm what we took

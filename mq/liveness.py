@@ -38,7 +38,7 @@ log = logging.getLogger("mq")
 ANSWER_GRACE_S = 0.25
 #: A pair quiet (no data, no calls, either way) for this many peer timeouts is not probed
 #: until traffic or a wait on it resumes: an idle mesh costs nothing however large.
-IDLE_AFTER_TIMEOUTS = 2.0
+IDLE_AFTER_TIMEOUTS = 3.0
 #: The heartbeat thread's tick while no peer is probed (else min(heartbeat, 0.5) s).
 IDLE_TICK_S = 2.0
 
@@ -93,10 +93,16 @@ class Liveness:
 
     # ------------------------------------------------------------------ frames
     def on_ping(self, env: Envelope) -> None:
-        """A heartbeat: it carries the peer's receipt for our frames; answer a flush's ping."""
+        """A heartbeat: it carries the peer's receipt for our frames. One that wants an answer
+        (a flush, or a wait of the peer's that depends on us) gets one now, and the pair counts
+        as busy: our heartbeat thread probes the peer too, so the peer hears from us on our
+        own schedule, not only when our reader gets to its pings."""
         self.on_receipt(env.sender, env.payload)
         if isinstance(env.payload, dict) and env.payload.get("want") is True:
             self.ping(env.sender, want=False, timeout=1.0)
+            p = self._peers.get(env.sender)
+            if p is not None:
+                p.last_traffic = time.monotonic()
 
     def on_receipt(self, peer_id: int, payload: Any) -> None:
         self._peers.receipt(peer_id, payload.get("rx") if isinstance(payload, dict) else None)
@@ -108,10 +114,12 @@ class Liveness:
 
     def _depending(self, node_id: int) -> None:
         """A wait started depending on peer ``node_id`` (under the waits' lock: no blocking).
-        A peer probed already (traffic) needs nothing: a send held back by flow control, many
-        times a second, must not wake the heartbeat thread each time."""
+        A peer probed and depended on at the last look needs nothing, and a burst of waits
+        wakes the heartbeat thread once: a send held back by flow control, many times a
+        second, must not wake it each time."""
         p = self._peers.get(node_id)
-        if p is not None and not p.probed:
+        if p is not None and not (p.probed and p.depended) and not p.asked:
+            p.asked = True  # (once until the heartbeat thread looks: a burst of waits wakes it once)
             self._newly_depended.append(node_id)
             self._wanted.set()
 
@@ -238,8 +246,12 @@ class Liveness:
             depended, idle_since = self._waits.depended, now - self.idle_after
             probing = False
             for p in self._peers.list():
-                if p.lost or (not p.probed and p.last_traffic <= idle_since and p.rx == p.rx_told
-                              and not stalled and p.node_id not in depended):
+                if p.lost:
+                    continue
+                if p.marks[0] != p.tx or p.marks[1] != p.rx:  # frames counted either way since the last look
+                    p.marks, p.last_traffic = (p.tx, p.rx), now
+                elif (not p.probed and p.last_traffic <= idle_since and p.rx == p.rx_told
+                      and not stalled and p.node_id not in depended):
                     continue  # idle, and known so: the common case in a large mesh (inlined)
                 self._look_at(p, now, stalled)
                 probing = probing or p.probed
@@ -253,9 +265,11 @@ class Liveness:
         now, stalled, probed = time.monotonic(), self._busy > 0, False
         while self._newly_depended:
             p = self._peers.get(self._newly_depended.popleft())
-            if p is not None and not p.lost:
-                self._look_at(p, now, stalled)
-                probed = True
+            if p is not None:
+                p.asked = False
+                if not p.lost:
+                    self._look_at(p, now, stalled)
+                    probed = True
         return probed
 
     def _look_at(self, p: Peer, now: float, stalled: bool) -> None:
@@ -267,18 +281,25 @@ class Liveness:
         and its silence proves nothing until probing resumes (then counted from then on)."""
         depended = self._waits.depends_on(p.node_id) or stalled
         if not depended and now - p.last_traffic >= self.idle_after:
-            p.probed = False
+            p.probed = p.depended = False
             if p.rx != p.rx_told:
                 self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))  # the receipt it is owed
             return
-        if not p.probed:
+        if not p.probed or (depended and not p.depended):
+            # Probing resumes, or a wait came to depend on it (an idle peer answers only when
+            # asked): its silence counts from now, and it is asked at once.
             p.probed, p.judged_from = True, now
-            p.last_sent = 0.0  # ping now
+            p.last_sent = 0.0
+        p.depended = depended
         if now - p.last_sent >= self.heartbeat:
             # An idle peer does not probe us back: asked to answer (want), it does so at once.
             self.ping(p.node_id, want=depended, timeout=min(self.heartbeat, 0.5))
+        # Its silence counts while it must be talking: it answers our pings while we depend on
+        # it; otherwise it pings only until its own idle_after since the pair's traffic, which it
+        # may have noticed up to a tick before we did: we stop judging a tick early.
+        judging = depended or now - p.last_traffic < self.idle_after - IDLE_TICK_S
         silent = now - max(p.last_seen, p.judged_from)
-        if silent > self.peer_timeout and now > self._stalled_until and not self._busy:
+        if judging and silent > self.peer_timeout and now > self._stalled_until and not self._busy:
             self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
                                         "crashed or the network between us is down)")
 

@@ -49,7 +49,7 @@ class NodeOptions:
             per-user file; see :mod:`mq.auth`).
         insecure: turn authentication off: any process that reaches this node may join.
         heartbeat: seconds between liveness probes of a peer (of those worth probing: data or
-            calls either way within two peer timeouts, or a wait of ours on it; an idle pair
+            calls either way within three peer timeouts, or a wait of ours on it; an idle pair
             sends nothing, see :mod:`mq.liveness`).
         peer_timeout: a probed peer silent this long is lost (its host crashed or the network
             broke): blocked senders and callers get :class:`~mq.errors.PeerLost`. Detection takes

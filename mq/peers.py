@@ -65,9 +65,14 @@ class Peer:
     last_seen: float = field(default_factory=time.monotonic)  # any frame from it
     last_sent: float = 0.0  # any frame to it
     # Data or calls either way (not heartbeats): a pair quiet for longer than liveness's
-    # ``idle_after`` is probed no more until traffic or a wait on it resumes (mq.liveness).
+    # ``idle_after`` is probed no more until traffic or a wait on it resumes (mq.liveness). The
+    # heartbeat thread notices traffic by ``tx``/``rx`` moving since its last look (``marks``):
+    # nothing is added to the per-message path. A call in one exchange (torch RPC) sets it.
     last_traffic: float = field(default_factory=time.monotonic)
+    marks: tuple[int, int] = (0, 0)
     probed: bool = True
+    depended: bool = False  # a wait of ours depended on it at liveness's last look
+    asked: bool = False  # a new wait on it woke the heartbeat thread, which has not looked yet
     judged_from: float = 0.0  # its silence counts from here (when probing resumed)
 
 

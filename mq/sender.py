@@ -291,8 +291,6 @@ class Sender:
                 raise PeerLost(f"node {peer} {p.lost}") from None
             raise
         p.last_sent = time.monotonic()
-        if counted:
-            p.last_traffic = p.last_sent
         self._stats.sent += 1
         return receipt
 

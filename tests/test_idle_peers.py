@@ -1,6 +1,6 @@
 """Idle peers cost nothing, and a wait on one still ends when it dies (issue 49, mq.liveness).
 
-A pair of nodes that trade no data or calls for ``idle_after`` (two peer timeouts) stops
+A pair of nodes that trade no data or calls for ``idle_after`` (three peer timeouts) stops
 probing each other: a mesh of N idle nodes would otherwise ping N*(N-1) times a heartbeat.
 What must not change: a wait that depends on such a peer (a call, a flush, a blocked send)
 probes it at once, and ends with PeerLost within ``peer_timeout`` + a heartbeat when the peer
@@ -19,13 +19,21 @@ import numpy as np
 import pytest
 
 import mq
-from mq.liveness import IDLE_AFTER_TIMEOUTS
+from mq.liveness import IDLE_AFTER_TIMEOUTS, IDLE_TICK_S
 
 pytestmark = pytest.mark.timeout(120)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT, PEER_TIMEOUT = 0.25, 1.0
 IDLE_AFTER = IDLE_AFTER_TIMEOUTS * PEER_TIMEOUT
+
+
+def _wait_idle(nodes: list[mq.MQ], within: float = IDLE_AFTER + IDLE_TICK_S + 6.0) -> None:
+    """Until a window of 4 heartbeats passes with no frame at all (the pair went idle: traffic
+    is noticed at the heartbeat's tick, IDLE_TICK_S while idle, so it may take that long more)."""
+    deadline = time.monotonic() + within
+    while _frames_in(nodes, 4 * HEARTBEAT):
+        assert time.monotonic() < deadline, f"the idle pair still exchanged frames after {within:.1f}s"
 
 
 def _frames_in(nodes: list[mq.MQ], seconds: float) -> int:
@@ -48,8 +56,8 @@ def test_an_idle_pair_stops_probing_and_a_busy_pair_does_not():
             a.recv(timeout=5)
             # Within idle_after of the traffic both probe each other (heartbeats flow) ...
             assert _frames_in([a, b], 4 * HEARTBEAT) >= 2
-            time.sleep(IDLE_AFTER + 2 * HEARTBEAT)
             # ... after it, nothing at all is sent while nobody sends or waits.
+            _wait_idle([a, b])
             assert _frames_in([a, b], 8 * HEARTBEAT) == 0
             assert 1 in a.peers() and 0 in b.peers()
             # Traffic resumes: so does probing, and nothing is judged silent meanwhile.
@@ -87,8 +95,7 @@ def test_a_wait_on_a_peer_that_froze_while_idle_ends_with_peer_lost(op):
         try:
             if stream is not None:
                 assert stream.recv(timeout=20).payload == 1
-            time.sleep(IDLE_AFTER + 2 * HEARTBEAT)
-            assert _frames_in([node], 4 * HEARTBEAT) == 0, "the pair is idle: nothing is probed"
+            _wait_idle([node])  # the pair is idle: nothing is probed
             os.kill(proc.pid, signal.SIGSTOP)  # frozen: its sockets stay open, it answers nothing
             began = time.monotonic()
             with pytest.raises(mq.PeerLost, match="node 1 (went silent|left the job)"):
@@ -135,7 +142,7 @@ def test_a_wait_on_an_idle_live_peer_times_out_and_is_never_told_it_died():
         proc = _peer(node, "streamer")
         try:
             assert stream.recv(timeout=20).payload == 1
-            time.sleep(IDLE_AFTER + 2 * HEARTBEAT)
+            _wait_idle([node])
             with pytest.raises(mq.Timeout):
                 stream.recv(timeout=PEER_TIMEOUT * 3 + 1)
             assert 1 in node.peers()

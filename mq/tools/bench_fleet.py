@@ -73,7 +73,7 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total / tick
 
 
-def run(nodes: int, procs: int, idle: float, timeout: float, settle: float = 10.0) -> dict[str, Any]:
+def run(nodes: int, procs: int, idle: float, timeout: float, settle: float = 15.0) -> dict[str, Any]:
     if nodes % procs:
         raise SystemExit(f"--nodes {nodes} must be a multiple of --procs {procs}")
     each, port = nodes // procs, free_port()
@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=64)
     ap.add_argument("--procs", type=int, default=8)
     ap.add_argument("--idle", type=float, default=10.0, help="seconds the idle job is measured")
-    ap.add_argument("--settle", type=float, default=10.0,
-                    help="seconds between the join and the measurement (a pair quiet for 2 peer "
-                         "timeouts, 8 s by default, is no longer probed)")
+    ap.add_argument("--settle", type=float, default=15.0,
+                    help="seconds between the join and the measurement (a pair quiet for 3 peer "
+                         "timeouts, 12 s by default, is no longer probed)")
     ap.add_argument("--timeout", type=float, default=120.0, help="each node's join timeout")
     ap.add_argument("--json", help="append the result here (one JSON line)")
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
