@@ -244,6 +244,7 @@ def test_a_receiver_hoarding_views_makes_the_sender_wait_then_time_out(learner):
         learner.send(1, "data", blob, timeout=5)  # the released slots are free again
         assert wait_until(lambda: learner.call(1, "count", timeout=5) == 1)
         assert learner.stats().shm["copied_bytes"] == 4 * 20 * MB
+        learner.flush(1, timeout=5)  # all confirmed: killing the peer loses nothing (stop() is quiet)
     finally:
         _stop(peer)
 
@@ -275,6 +276,7 @@ def test_publish_to_same_host_subscribers_copies_once(learner):
         assert learner.stats().shm["copied_bytes"] == 10 * MB
         for n in (1, 2):
             assert wait_until(lambda n=n: learner.call(n, "count", timeout=5) == 1)
+            learner.flush(n, timeout=5)
     finally:
         _stop(*peers)
 
@@ -342,6 +344,7 @@ def test_a_64_mib_dev_shm_does_not_limit_the_pool(learner):
         learner.send(1, "data", np.ones(8 * MB, np.uint8))
         assert wait_until(lambda: learner.call(1, "count", timeout=5) == 2)
         assert learner.stats().shm["copied_bytes"] == 56 * MB
+        learner.flush(1, timeout=5)
     finally:
         _stop(peer)
 
@@ -359,5 +362,6 @@ def test_a_peer_that_cannot_open_the_pool_falls_back_to_a_socket_and_says_why(le
         learner.send(1, "data", np.ones(8 * MB, np.uint8))  # still delivered, over the socket
         assert wait_until(lambda: learner.call(1, "count", timeout=5) == 1)
         assert learner.stats().shm["placed"] == 0
+        learner.flush(1, timeout=5)
     finally:
         _stop(peer)
