@@ -17,6 +17,7 @@ before a view is made, so a malformed frame raises :class:`ProtocolError` and no
 from __future__ import annotations
 
 import pickle
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple
 
@@ -48,8 +49,24 @@ MAX_DEPTH = 32
 #: few thousand); the receiver refuses a header listing more before making a view of any.
 
 # torch is imported on first use: a process that never touches a tensor (a collector stepping
-# numpy environments, `mq doctor`) does not pay its ~1 s import.
+# numpy environments, `mq doctor`) does not pay its ~1 CPU-second import and ~180 MB. A reader
+# that imports it reads nothing meanwhile: the watchers (nodes' liveness) judge no silence then.
 torch: Any = None
+_IMPORT_WATCHERS: list[weakref.WeakMethod] = []
+
+
+def watch_torch_import(stalled: Callable[[], None]) -> None:
+    """Call ``stalled()`` (a bound method, held weakly) when torch's first import begins and
+    when it ends, unless torch is imported already."""
+    if torch is None:
+        _IMPORT_WATCHERS[:] = [ref for ref in _IMPORT_WATCHERS if ref() is not None]  # (nodes gone)
+        _IMPORT_WATCHERS.append(weakref.WeakMethod(stalled))  # type: ignore[arg-type]
+
+
+def _tell_import_watchers() -> None:
+    for ref in list(_IMPORT_WATCHERS):
+        if (stalled := ref()) is not None:
+            stalled()
 _TORCH_DTYPES: dict[str, Any] = {}
 _DTYPE_NAMES: dict[Any, str] = {}
 _TENSOR_NAME_OF: dict[str, str] = {}  # numpy dtype str -> torch dtype name, for _NUMPY_OK dtypes
@@ -58,6 +75,7 @@ _TENSOR_NAME_OF: dict[str, str] = {}  # numpy dtype str -> torch dtype name, for
 def _load_torch() -> Any:
     global torch
     if torch is None:
+        _tell_import_watchers()
         import torch as _torch
 
         names = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
@@ -70,6 +88,8 @@ def _load_torch() -> Any:
         _TENSOR_NAME_OF.update({np.dtype(str(_torch.empty(0, dtype=dt).numpy().dtype)).str: _DTYPE_NAMES[dt]
                                 for dt in _NUMPY_OK})
         torch = _frames.torch = _torch
+        _tell_import_watchers()
+        _IMPORT_WATCHERS.clear()
     return torch
 
 

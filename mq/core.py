@@ -38,7 +38,7 @@ from mq import fanout as _fanout
 from mq import metrics as _metrics
 from mq import peer_route
 from mq.calls import Calls, remote_error
-from mq.codec import MSG, REP_OK, REQ, SUBS, Codec
+from mq.codec import MSG, REP_OK, REQ, SUBS, Codec, watch_torch_import
 from mq.delivery import Delivery
 from mq.dispatch import Dispatch
 from mq.errors import ClosedError, ConfigError, MQError, Timeout, Undelivered
@@ -163,7 +163,7 @@ class MQ:
         self._delivery.start()
         self._life.state = "listening"
         try:
-            _preload_torch()
+            watch_torch_import(self._liveness.stalled)  # a first tensor in: our reader imports torch
             self._sender.open_pool()
             peer_route.check_required_here(self.options.require_route, self._sender.rdma.unavailable)
             for target in list(self.transport.start(self._dispatch)):
@@ -541,23 +541,6 @@ class MQ:
     def __repr__(self) -> str:
         return (f"<MQ {self.mq_type} node={self.node_id} labels={sorted(self.labels)} "
                 f"{self._life.state} peers={self.peers()}>")
-
-
-def _preload_torch() -> None:
-    """Import torch now, if it is installed, rather than at the first tensor a peer sends.
-
-    Importing it holds the GIL for a second or more (several on a loaded machine); mid-job
-    that silences our heartbeats long enough for peers to think we died.
-    """
-    import importlib.util
-    import sys
-
-    if "torch" not in sys.modules and importlib.util.find_spec("torch") is not None:
-        from mq.codec import _load_torch
-
-        _load_torch()
-
-
 
 
 def _no_answer(peer: int, topic: str, timeout: float) -> str:

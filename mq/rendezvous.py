@@ -4,7 +4,8 @@ torchrpc its locality descriptor (before ``init_rpc``, which fixes TensorPipe's 
 
 ``init_method`` forms (the same as torch.distributed):
 
-- ``tcp://host:port`` — a torch TCPStore (libuv backend); node 0 hosts it.
+- ``tcp://host:port`` — node 0 hosts the store: mq's own (:mod:`mq.store`: no torch import),
+  or, for torch RPC (``shared``), torch's TCPStore, which ``init_rpc`` then shares.
 - ``env://`` — MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the environment.
 - ``file:///shared/path`` — a torch FileStore on a filesystem every node sees.
 - ``ray://GROUP`` — nodes in Ray actors: Ray tells them node 0's ``tcp://`` store
@@ -30,6 +31,7 @@ import msgpack
 from mq.auth import seal, unseal
 from mq.errors import ConfigError, ProtocolError, Timeout
 from mq.options import TOPOLOGIES, check_choice
+from mq.store import Missing, StoreClient, StoreServer
 
 log = logging.getLogger("mq.rendezvous")
 _RAY_GROUP = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
@@ -133,6 +135,9 @@ class Rendezvous:
         self.what = what
         try:
             self.store = _open_store(spec, init_method, node_id, self.world_size, timeout, shared)
+        except Timeout as exc:
+            raise Timeout(f"node {node_id}: rendezvous at {init_method} failed within {timeout:g}s: {exc} "
+                          "(is node 0 running, with the same init_method and world_size?)") from None
         except (RuntimeError, ValueError, OSError) as exc:
             text = str(exc)
             if "address already in use" in text.lower() or "EADDRINUSE" in text:
@@ -154,28 +159,77 @@ class Rendezvous:
         self.store.set(f"{self.prefix}{self.node_id}", sign_entry(secret, info))
         keys = [f"{self.prefix}{i}" for i in range(self.world_size)]
         try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
-        except RuntimeError:
-            missing = [str(i) for i, k in enumerate(keys) if not self.store.check([k])]
+            values = self.store.gather(keys, self.timeout)
+        except Missing as exc:
+            missing = [k[len(self.prefix):] for k in exc.keys]
             raise Timeout(f"node {self.node_id}: nodes {', '.join(missing)} did not join the rendezvous "
                           f"within {self.timeout:g}s (stage rendezvous; world_size={self.world_size}, "
                           f"init_method={self.init_method}): are all nodes started?") from None
-        return {i: open_entry(secret, self.store.get(k), f"node {i}'s {self.what}") for i, k in enumerate(keys)}
+        if self.node_id != 0:
+            self.close()  # joined: one socket less (node 0 serves the store until it stops)
+        return {i: open_entry(secret, value, f"node {i}'s {self.what}") for i, value in enumerate(values)}
+
+    def close(self) -> None:
+        """Let the store go (node 0: stop serving it; a node may close once it has joined)."""
+        self.store.close()
+
+
+class _TorchStore:
+    """A torch store (TCPStore, FileStore) behind the two calls a rendezvous makes."""
+
+    def __init__(self, store: Any):
+        self.torch_store = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self.torch_store.set(key, value)
+
+    def gather(self, keys: list[str], timeout: float) -> list[bytes]:
+        try:
+            self.torch_store.wait(keys, timedelta(seconds=timeout))
+        except RuntimeError:
+            raise Missing([k for k in keys if not self.torch_store.check([k])]) from None
+        return [self.torch_store.get(k) for k in keys]
+
+    def close(self) -> None:
+        pass  # (torch keeps it while anything refers to it: init_rpc may share it)
+
+
+class _MqStore:
+    """mq's own store (:mod:`mq.store`); node 0 also serves it."""
+
+    def __init__(self, spec: InitMethod, node_id: int, world_size: int, timeout: float):
+        self.server = StoreServer(spec.port, world_size) if node_id == 0 else None
+        try:
+            self.client = StoreClient(spec.host, spec.port, timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def set(self, key: str, value: bytes) -> None:
+        self.client.set(key, value)
+
+    def gather(self, keys: list[str], timeout: float) -> list[bytes]:
+        return self.client.wait(keys, timeout)
+
+    def close(self) -> None:
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+        if self.server is not None:
+            self.server.close()
 
 
 def _open_store(spec: InitMethod, init_method: str, node_id: int, world_size: int, timeout: float,
                 shared: bool) -> Any:
-    import torch.distributed as dist  # heavy: only when rendezvous is used
+    if spec.scheme == "tcp" and not shared:
+        return _MqStore(spec, node_id, world_size, timeout)
+    import torch.distributed as dist  # heavy: only where torch's own store is wanted
 
     wait = timedelta(seconds=timeout)
     if shared:
         store = next(dist.rendezvous(init_method, rank=node_id, world_size=world_size, timeout=wait))[0]
         store.set_timeout(wait)
-        return store
-    if spec.scheme == "file":
-        return dist.FileStore(spec.path, world_size)
-    return dist.TCPStore(spec.host, spec.port, world_size, node_id == 0, timeout=wait,
-                         wait_for_workers=False, use_libuv=True)
+        return _TorchStore(store)
+    return _TorchStore(dist.FileStore(spec.path, world_size))
 
 
 def sign_entry(secret: Any, info: Any) -> bytes:

@@ -8,8 +8,8 @@
 
 Every node of a group asks Ray for one small named actor, the group's directory
 (``mq-group:GROUP`` in the Ray namespace ``mq``; the first node to ask creates it, the others
-find it). Node 0 publishes there the address of the rendezvous store it hosts (a torch TCPStore
-on its Ray node's IP, the same store ``tcp://`` uses); every node then goes on exactly as with
+find it). Node 0 publishes there the address of the rendezvous store it hosts (on its Ray node's
+IP, the same store ``tcp://`` uses); every node then goes on exactly as with
 that ``tcp://`` init method: entries signed with the job secret, routes chosen as always (shm
 between actors on one Ray node, tcp or rdma across). Nothing of the data goes through Ray.
 

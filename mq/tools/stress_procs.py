@@ -198,7 +198,7 @@ def zygote_main(fd: int, torch: bool) -> None:
     import mq
 
     list(mq.MQ_TYPES)  # finds the backends (imports them) once
-    with contextlib.suppress(ImportError):  # listen() imports torch where installed: a second per victim
+    with contextlib.suppress(ImportError):  # a victim may be sent tensors: import torch once, here
         import torch as _torch
 
         _torch.set_num_threads(1)

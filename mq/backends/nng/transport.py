@@ -190,6 +190,8 @@ class NngTransport(Transport):
     def close(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         self._state = "stopped"
+        if self.rendezvous is not None:
+            self.rendezvous.close()
         with self._net_lock:
             outboxes = list(self._out.values())
             sockets = list(self._bootstrap.values())
