@@ -439,6 +439,8 @@ class MQ:
     def wait_for_peers(self, count: int | None = None, *, ids: Iterable[int] | None = None,
                        label: str | None = None, timeout: float | None = None) -> list[int]:
         """Block until ``count`` peers (with ``label``) or the peers ``ids`` have joined."""
+        if self._life.state == "new":  # (a stopped queue answers as before: peers gone)
+            self._life.check("wait_for_peers()")
         if count is not None and (type(count) is not int or count < 0):
             raise ConfigError(f"count must be an int >= 0, got {count!r}")
         if ids is not None and (not hasattr(ids, "__iter__") or not all(type(i) is int for i in ids)):
@@ -458,6 +460,8 @@ class MQ:
 
     def wait_for_subscribers(self, topic: str, count: int = 1, *, timeout: float | None = None) -> list[int]:
         """Block until ``count`` live peers subscribe to ``topic``; returns their ids."""
+        if self._life.state == "new":  # (a stopped queue answers as before: peers gone)
+            self._life.check("wait_for_subscribers()")
         _check_topic(topic)
         if type(count) is not int or count < 0:
             raise ConfigError(f"count must be an int >= 0, got {count!r}")

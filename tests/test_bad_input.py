@@ -94,8 +94,10 @@ def test_calls_reject_bad_arguments(pair, call, error, match):
 
 def test_use_after_stop_says_so_and_gives_a_fix_that_works():
     q = mq.create("inproc", 0, timeout=1)
-    with pytest.raises(mq.ClosedError, match="not listening yet: use `with q:` or q.listen"):
-        q.recv(timeout=0.1)
+    for call in (lambda: q.recv(timeout=0.1), lambda: q.wait_for_peers(1, timeout=0.1),
+                 lambda: q.wait_for_subscribers("t", timeout=0.1)):
+        with pytest.raises(mq.ClosedError, match="not listening yet: use `with q:` or q.listen"):
+            call()
     with q:
         pass
     for call in (lambda: q.recv(timeout=0.1), lambda: q.send(1, "t", 1), lambda: q.listen()):

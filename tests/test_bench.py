@@ -613,3 +613,27 @@ def test_loaded_rows_are_judged_against_pynng_and_pyzmq_under_the_same_load():
     zmq, = [t for t in targets.values() if "raw pyzmq ipc under the same load" in t["target"]]
     assert not pynng["met"] and pynng["misses"] == ["nng/ipc +load2 1.25 KB: 1.4x"]  # 1.4 > 1.25
     assert zmq["met"] and zmq["worst"].endswith("1.4x")  # 0.14 / 0.1 <= 1.5
+
+
+# --------------------------------------------------------------------------- fleet
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args, says", [
+    (["--nodes", "abc"], "give job sizes as whole numbers"),
+    (["--nodes", "1"], "every job needs at least 2 nodes"),
+    (["--nodes", ","], "every job needs at least 2 nodes"),
+    (["--procs", "0"], "0 is not in the range"),
+    (["--mode", "roundtrip"], "--mode fleet goes alone"),
+], ids=["not-a-number", "one-node", "empty", "no-procs", "with-another-mode"])
+def test_bench_fleet_bad_inputs_are_usage_errors_before_any_process_starts(args, says):
+    result = CliRunner().invoke(bench, ["--mode", "fleet", *args])
+    assert result.exit_code != 0 and says in result.output, result.output
+
+
+@pytest.mark.timeout(120)
+def test_bench_fleet_runs_a_small_job_and_reports_each_measure():
+    from mq.tools import bench_fleet
+
+    row = bench_fleet.run(4, 2, idle=1.0, timeout=30.0, settle=0.5)
+    assert row["errors"] == [] and row["nodes"] == 4 and row["procs"] == 2
+    assert 0 < row["join_s"] < 60 and 0 <= row["idle_cpu"] < 2 and 0 <= row["stop_s"] < 10
+    assert "join s" in bench_fleet.table([row])
