@@ -117,7 +117,7 @@ class Sender:
                           what=f"node {peer} did not take the message in time: its queue is full "
                                "(slow receiver) or it is unreachable; pass timeout= to wait longer")
         if self.closed:
-            raise ClosedError("the link was closed while sending (the queue is stopping)")
+            raise ClosedError("the link was closed while sending (its peer is gone, or the queue is stopping)")
         return None
 
     def _broken(self, exc: OSError) -> Exception:
