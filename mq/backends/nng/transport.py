@@ -499,11 +499,9 @@ class NngTransport(Transport):
             if link is not None and self._watched.get(link.fd, (None, None))[1] is link:
                 del self._watched[link.fd]
                 self._links_gen += 1  # level-triggered: stop watching it, or poll() would spin
-        # The node hears first: a send the close wakes must find the peer lost (PeerLost), not a
-        # link closed for no reason it knows (ClosedError: stress, tcp route under load).
-        if box is not None and self._state == "listening" and self._node:
-            self._node.on_link_lost(peer, "disconnected (its process died or closed the link)")
-        if box is not None:
+        if box is not None:  # the node hears first: a send the close wakes must raise PeerLost
+            if self._state == "listening" and self._node:
+                self._node.on_link_lost(peer, "disconnected (its process died or closed the link)")
             box.close()
 
     def read_in_caller(self, timeout: float, ready: Callable[[], bool]) -> bool:
