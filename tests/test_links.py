@@ -305,6 +305,8 @@ def peer_of(node: mq.MQ, **env: str):
         assert proc.stdout.readline().strip() == "ready"
         node.wait_for_peers(ids=[1], timeout=10)
         yield proc
+        if node.running and 1 in node.peers():
+            node.flush(1, timeout=10)  # all confirmed: the kill below loses nothing (stop() is quiet)
     finally:
         proc.kill()
         proc.wait(10)
