@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mq.platforms.plan import free_port
 from mq.supervise import die_with_parent as _die_with_parent
 
 __all__ = ["FanoutRow", "run", "table"]
@@ -72,7 +73,8 @@ class _Group:
         addrs = [f"tcp://{addr}:{port}"]
         for i in range(1, n + 1):
             h = (i - 1) % k if k else None
-            listen = f"tcp://{hosts.addrs[h]}:{port + i}" if h is not None else f"tcp://127.0.0.1:{port + i}"
+            # (here a port of its own: port + i may be a connection's ephemeral port by now, CI)
+            listen = f"tcp://{hosts.addrs[h]}:{port + i}" if h is not None else f"tcp://127.0.0.1:{free_port()}"
             argv = _WORKER + [str(i), listen, str(n), *addrs]
             cmd = hosts.command(h, argv) if h is not None else argv
             self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
