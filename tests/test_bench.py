@@ -17,7 +17,7 @@ import uuid
 import pytest
 from click.testing import CliRunner
 
-from cli.bench import bench
+from mq.cli.bench import bench
 from mq.tools import bench as lib
 from mq.tools import netns
 
@@ -350,7 +350,7 @@ def test_markdown_and_table_render_a_synthetic_report(capsys):
     assert "| x bound |" in md and "| memcpy (bound) | 1.25 KB |" in md
     assert "| nng/ipc stream | 1.25 KB |" in md and "12.3k msg/s, 3.2 MB/s, lossless; bound: 1000 memcpy" in md
     assert report.targets[0]["met"] is False and report.targets[0]["misses"]
-    from cli.bench import _print_tables
+    from mq.cli.bench import _print_tables
 
     _print_tables(report)
     out = capsys.readouterr().out
@@ -476,7 +476,7 @@ def _processes_with(marker: str) -> list[int]:
 def test_interrupted_two_hosts_run_leaves_no_namespace_or_worker(sig):
     marker = f"MQ_BENCH_TEST_MARKER={uuid.uuid4().hex}"
     env = dict(os.environ, PYTHONPATH=ROOT, MQ_BENCH_TEST_MARKER=marker.partition("=")[2])
-    proc = subprocess.Popen([sys.executable, "-c", "from cli.bench import bench; bench()", "--two-hosts",
+    proc = subprocess.Popen([sys.executable, "-c", "from mq.cli.bench import bench; bench()", "--two-hosts",
                              "--mq-type", "nng", "--route", "tcp", "--sizes", "1.25KB", "--max-seconds", "60",
                              "--target-seconds", "60", "--max-samples", "100000000", "-q", "--no-links"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -11,7 +11,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from cli.bench import _print_tables, bench
+from mq.cli.bench import _print_tables, bench
 from mq.tools import bench as lib
 from mq.tools.bench_cases import SizeResult
 from mq.tools.bench_gpu import BIG, SMALL, gpu_checks

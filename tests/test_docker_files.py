@@ -10,6 +10,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -88,14 +89,8 @@ def ignore_patterns(path: Path) -> list[str]:
 
 
 def setup_extras() -> set[str]:
-    """extras_require keys, read from setup.py's AST (importing it would run setup())."""
-    tree = ast.parse((REPO / "setup.py").read_text())
-    for call in ast.walk(tree):
-        if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "setup":
-            for kw in call.keywords:
-                if kw.arg == "extras_require":
-                    return {ast.literal_eval(key) for key in kw.value.keys}  # values may name constants
-    raise AssertionError("setup.py has no setup(extras_require=...)")
+    """The extras pyproject.toml declares."""
+    return set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
 
 
 def env_vars(instrs: list[tuple[str, str]]) -> dict[str, str]:
@@ -138,13 +133,13 @@ def test_both_images_exist():
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_copy_sources_exist_in_repo(dockerfile):
     sources = copy_sources(instructions(dockerfile))
-    assert {"setup.py", "constraints.txt", "mq", "cli"} <= set(sources)
+    assert {"pyproject.toml", "constraints.txt", "mq"} <= set(sources)
     for src in sources:
         assert (REPO / src).exists(), f"{dockerfile.name}: COPY {src} but {src} is not in the repository"
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
-def test_pip_extras_exist_in_setup_py(dockerfile):
+def test_pip_extras_exist_in_pyproject(dockerfile):
     installs = pip_extras(instructions(dockerfile))
     assert installs, f"{dockerfile.name}: no pip install .[extras]"
     known = setup_extras()
@@ -152,7 +147,7 @@ def test_pip_extras_exist_in_setup_py(dockerfile):
     # carry no test tools (pytest, hypothesis, atheris): `--build-arg EXTRAS=...` adds them.
     want = {"atari", "gpu"} if dockerfile.name == "Dockerfile.cuda" else {"atari"}
     for extras in installs:
-        assert extras <= known, f"{dockerfile.name}: extras {sorted(extras - known)} not in setup.py {sorted(known)}"
+        assert extras <= known, f"{dockerfile.name}: extras {sorted(extras - known)} not in pyproject.toml {sorted(known)}"
         assert want <= extras, f"{dockerfile.name}: default extras {sorted(extras)} lack {sorted(want - extras)}"
         assert not extras & {"test", "dev"}, f"{dockerfile.name}: test tools in the runtime image"
 

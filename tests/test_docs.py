@@ -26,7 +26,7 @@ RUN_S = 150  # one process of the quickstart (a spawned node imports torch: seco
 _FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
-_REPO_PATH = re.compile(r"^(?:mq|cli|scripts|tests|examples|docker|docs|bench-results)/[\w./-]*$")
+_REPO_PATH = re.compile(r"^(?:mq|scripts|tests|examples|docker|docs|bench-results)/[\w./-]*$")
 _FILE_NAME = re.compile(r"^#\s*([\w-]+\.py)\b")
 
 

@@ -4,13 +4,13 @@ image lacks, and the probe and doctor say "no GPU" instead of failing."""
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata as md
 import json
 import os
 import re
 import subprocess
 import sys
+import tomllib
 import types
 from pathlib import Path
 
@@ -87,26 +87,10 @@ def _header_and_lists() -> tuple[str, set[str], set[str]]:
 
 
 def _setup_requirements() -> list[str]:
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    consts = {}  # setup.py's constants that are literals (VERSION is read from a file: not one)
-    for n in tree.body:
-        if isinstance(n, ast.Assign):
-            try:
-                consts.update({t.id: ast.literal_eval(n.value) for t in n.targets if isinstance(t, ast.Name)})
-            except ValueError:
-                pass
-    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
-    kw = {k.arg: k.value for k in call.keywords}
-
-    def value(node):
-        return consts[node.id] if isinstance(node, ast.Name) else ast.literal_eval(node)
-
-    reqs = [value(e) for e in kw["install_requires"].elts]
-    extras = kw["extras_require"]
-    for key, val in zip(extras.keys, extras.values):
-        if ast.literal_eval(key) in ("test", "bench", "gpu", "atari"):
-            reqs += [value(e) for e in val.elts]
-    return reqs
+    """pyproject.toml's dependencies and its test, bench, gpu and atari extras."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    return project["dependencies"] + [r for key in ("test", "bench", "gpu", "atari") for r in extras[key]]
 
 
 def _closure(names: set[str], Requirement) -> set[str]:
@@ -160,7 +144,7 @@ def test_bench_and_example_options_the_script_passes_exist():
     text = SCRIPT.read_text()
     bench_fn = text[text.index("\nbench() {"):text.index("\natari_smoke() {")]
     used = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", bench_fn.split("mq.cli.main bench", 1)[1]))
-    cli_bench = pytest.importorskip("cli.bench")
+    cli_bench = pytest.importorskip("mq.cli.bench")
     have = {opt for param in cli_bench.bench.params for opt in param.opts}
     assert used <= have, f"mq bench has no {used - have}"
     config = (ROOT / "examples" / "atari_dqn" / "config.py").read_text()
@@ -218,7 +202,7 @@ def test_pool_open_without_the_cuda_ipc_hook(monkeypatch):
 def _doctor():
     from click.testing import CliRunner
 
-    return CliRunner(), pytest.importorskip("cli.doctor")
+    return CliRunner(), pytest.importorskip("mq.cli.doctor")
 
 
 def test_doctor_gpu_pairs_without_a_gpu(monkeypatch):
