@@ -31,7 +31,7 @@ import os
 import secrets
 import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 from mq.errors import ConfigError, ProtocolError
 from mq.options import check_bool
@@ -97,6 +97,10 @@ def default_secret_file() -> str:
     return os.path.join(base, "mq", "secret")
 
 
+@overload
+def resolve_secret(secret: Any = None, insecure: Literal[False] = False) -> Secret: ...
+@overload
+def resolve_secret(secret: Any = None, insecure: bool = False) -> Secret | None: ...
 def resolve_secret(secret: Any = None, insecure: bool = False) -> Secret | None:
     """The job secret (see the module docstring), or None when ``insecure``.
 

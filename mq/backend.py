@@ -131,6 +131,9 @@ class Backend:
         aliases: other names of its mq types (``torchrpc`` -> ``torchrpc:cpu``).
         launch: how ``mq run`` starts its workers (:class:`LaunchProfile`);
             None: its nodes live in one process and cannot be launched.
+        one_per_process: a process holds at most one of its listening nodes (torch RPC: one
+            agent per process), so a library that runs nodes of its own beside the user's
+            (TorchRL's weight sync) cannot use it.
         flags: the options ``mq run`` offers as flags.
         trust: ``"module:NAME"`` of a dict of what it leaves open that mq cannot close
             (``summary`` and details, shown by ``mq doctor``), or None.
@@ -148,6 +151,7 @@ class Backend:
     data_paths: frozenset[str] = frozenset({"shm"})
     aliases: Mapping[str, str] = field(default_factory=dict)
     launch: LaunchProfile | None = None
+    one_per_process: bool = False
     flags: tuple[Flag, ...] = ()
     trust: str | None = None
     doctor: str | None = None
@@ -181,7 +185,7 @@ class Backend:
         return import_ref(self.doctor)(me, peers) if self.doctor else {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _options_source(ref: str) -> tuple[str, dict[str, str]]:
     """(docstring, {field: annotation}) of the options class ``ref``, read from its source
     without importing it: ``mq --help`` must not load torch for torchrpc's options."""

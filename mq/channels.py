@@ -473,6 +473,7 @@ class _Sender(threading.Thread):
                 q.waits.pause(self._due, 0.5, on=(ch,))
                 continue
             with ch._cond:
+                assert self.box is not None  # not idle, and only this thread empties the box
                 version, message, buf, extra = self.box
                 self.box = None
                 self.in_flight = (version, time.monotonic())

@@ -60,7 +60,7 @@ def watch_torch_import(stalled: Callable[[], None]) -> None:
     when it ends, unless torch is imported already."""
     if torch is None:
         _IMPORT_WATCHERS[:] = [ref for ref in _IMPORT_WATCHERS if ref() is not None]  # (nodes gone)
-        _IMPORT_WATCHERS.append(weakref.WeakMethod(stalled))  # type: ignore[arg-type]
+        _IMPORT_WATCHERS.append(weakref.WeakMethod(stalled))
 
 
 def _tell_import_watchers() -> None:
@@ -157,29 +157,30 @@ class Codec:
                                   "use lists for deep structures")
             depth[0] += 1
             try:
-                return msgpack.ExtType(code, packb(items))
+                return msgpack.ExtType(code, packb(items))  # noqa: F821 (del below)
             finally:
                 depth[0] -= 1
 
         def default(obj: Any) -> msgpack.ExtType:
             if isinstance(obj, tuple):
-                return nested(_EXT_TUPLE, list(obj))
+                return nested(_EXT_TUPLE, list(obj))  # noqa: F821 (del below)
             if isinstance(obj, np.ndarray):
                 return self._pack_ndarray(obj, buffers)
             if _is_tensor(obj):
                 return self._pack_tensor(obj, buffers)
             if isinstance(obj, (bytearray, memoryview)):
-                return default(bytes(obj))
+                return default(bytes(obj))  # noqa: F821 (del below)
             if isinstance(obj, bytes):  # only large ones reach here (see below)
                 buffers.append(obj)
-                return msgpack.ExtType(_EXT_BYTES, packb(len(buffers) - 1))
+                return msgpack.ExtType(_EXT_BYTES, packb(len(buffers) - 1))  # noqa: F821 (del below)
             if isinstance(obj, np.generic):
-                return default(np.asarray(obj)) if obj.dtype.kind in "mMV" else obj.item()
+                return default(np.asarray(obj)) if obj.dtype.kind in "mMV" else obj.item()  # noqa: F821 (del below)
+            base: Any  # a declaration, no code: mypy cannot pair each type with the value it matched
             for base in (bool, int, float, str, dict, list):  # subclasses: IntEnum, OrderedDict
                 if isinstance(obj, base):
                     return base(obj)
             if tensordicts.is_tensordict(obj):  # its tensors are leaves: out of band, as any tensor
-                return nested(_EXT_TENSORDICT, tensordicts.to_tree(obj))
+                return nested(_EXT_TENSORDICT, tensordicts.to_tree(obj))  # noqa: F821 (del below)
             if self.allow_pickle:
                 return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj, protocol=5))
             raise EncodeError(
@@ -192,7 +193,7 @@ class Codec:
         lift = [False]
 
         def packb(obj: Any) -> bytes:
-            return msgpack.packb(_lift_big_bytes(obj) if lift[0] else obj, default=default,
+            return msgpack.packb(_lift_big_bytes(obj) if lift[0] else obj, default=default,  # noqa: F821 (del below)
                                  strict_types=True, use_bin_type=True)
 
         try:
@@ -215,6 +216,7 @@ class Codec:
             # The two closures refer to each other through their cells: a reference cycle that
             # would keep the payload alive until the cyclic GC runs (gigabytes for big frames).
             # Emptying the cells breaks it, so memory is freed as soon as the caller lets go.
+            # (ruff's F821 above reads this del as if it ran before the closures' calls: it does not.)
             del default, packb, nested
 
     def _pack_ndarray(self, arr: np.ndarray, buffers: list[Any]) -> msgpack.ExtType:

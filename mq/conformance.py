@@ -227,7 +227,7 @@ def _call(ctx: mq.Context) -> Any:
     q = ctx.mq
     if ctx.node_id == 0:
         q.on("double", lambda x: x * 2)
-        q.on("fail", lambda x: {}["missing"])
+        q.on("fail", lambda x: {}["missing"])  # type: ignore[index]  # a KeyError, on purpose
         q.on("slow", lambda x: time.sleep(2))
         q.on("obs", lambda x: {"mean": float(np.mean(x)), "arr": x + 1})
     barrier(ctx, "served")

@@ -33,7 +33,7 @@ import mmap
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, TypeVar
+from typing import Any, Callable, Iterable, Protocol, TypeVar, cast
 
 import numpy as np
 from cffi import FFI
@@ -201,7 +201,8 @@ class SlotTable:
         if found is not None:
             return found
         self.stats["waits"] += 1
-        return self.waits.until(got, time.monotonic() + timeout, on=(self,), peers=peers, what=full)
+        # until() returns what got() returned once true: not None
+        return cast(T, self.waits.until(got, time.monotonic() + timeout, on=(self,), peers=peers, what=full))
 
     # ------------------------------------------------------------------ releasing
     def release(self, peer: int, slot_id: Any, count: Any = 1, gen: Any = ANY_GEN) -> bool:
@@ -453,8 +454,8 @@ class DataPath:
     def place(self, peers: list[int], buffers: list[Any], indices: list[int], deadline: float,
               descs: dict[int, list[Any]] | None = None) -> dict[int, list[Any]]:
         """Place ``buffers[i]`` (``i`` in ``indices``) in slots held for ``peers`` and describe
-        them: their descriptors by index, filled into ``descs`` as they are placed. One copy shared by every peer; none for a buffer already in the
-        pool (sent by handle).
+        them: their descriptors by index, filled into ``descs`` as they are placed. One copy
+        shared by every peer; none for a buffer already in the pool (sent by handle).
 
         Raises:
             Timeout: the pool stayed full (slots held by receivers) until ``deadline``.

@@ -148,6 +148,7 @@ class Dispatch:
             p = self._peer_of.get(peer) if peer is not None else None
             if header[1] != RELAY or header[3] != peer or p is None or p.lost or header[8] is not None:
                 return
+            assert peer is not None  # p is not None: it is peer's
             self._fanout.on_begun(peer, header, buffers, body_offset(frame), watch)
         except ProtocolError:
             pass  # on_frame refuses it (counted) once it is whole

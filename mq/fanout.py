@@ -461,7 +461,8 @@ class Fanout:
         if stream is not None:
             sent = {_entry_peer(e) for e in stream.plan}
             plan = [e for e in plan if _entry_peer(e) not in sent]
-        sent_at = meta.get("at") if isinstance(meta.get("at"), float) else env.sent_at
+        sent_at: float = (meta.get("at")  # type: ignore[assignment]  # a float (mypy does not narrow a .get())
+                          if isinstance(meta.get("at"), float) else env.sent_at)
         # Delivered as a MSG, with the origin as sender (not counted as a frame of its link).
         self._deliver(env.topic, body[1], origin, sent_at, env.nbytes, env.nbytes)
         if not plan and stream is None:
@@ -513,7 +514,8 @@ class Fanout:
         return None
 
     def _deadline(self, meta: dict[str, Any]) -> float:
-        left = meta.get("t") if isinstance(meta.get("t"), (int, float)) else self._timeout
+        left: float = (meta.get("t")  # type: ignore[assignment]  # a number (mypy does not narrow a .get())
+                       if isinstance(meta.get("t"), (int, float)) else self._timeout)
         return time.monotonic() + min(max(0.0, float(left)), self._timeout)
 
     def _streamable(self, peer: int) -> bool:
@@ -542,7 +544,7 @@ class Fanout:
             if key not in self._acks:
                 self._refusals.stats.dropped_unexpected_reply += 1  # after its publish gave up
                 return
-            self._acks[key] = failed  # type: ignore[index]
+            self._acks[key] = failed
             for i, (cause, _) in failed.items():
                 if cause == "skipped":
                     self._unreachable.add((sender, i))
@@ -607,7 +609,7 @@ class Fanout:
                 log.exception("node %d: relaying for node %d failed", self.node_id, origin)
                 stream.failed.add(plan_ids(stream.plan), "error",
                                   f"relay node {self.node_id}: {type(exc).__name__}: {exc}")
-            buffers = None  # type: ignore[assignment]
+            buffers = None
             if arrival.filled < arrival.size:
                 # It ended before the frame was whole (cut off, or out of time): nothing went
                 # on whole, so forget it; if the frame still comes, it is forwarded as a whole.

@@ -172,7 +172,7 @@ class Frame:
         self.header = _packb.pack(head)
         self.buffers = buffers
         self.sizes = sizes
-        self.layout: dict[str, Any] = {}
+        self.layout: dict[Any, Any] = {}
         # The contiguous layout's offsets: header after its u32 length, each buffer 64-aligned.
         pos = (4 + len(self.header) + ALIGN - 1) & -ALIGN
         offsets = []

@@ -2,8 +2,9 @@
 
 :class:`GpuPath` is the cuda_ipc memory (:mod:`mq.cuda_ipc`) behind the
 :class:`~mq.datapath.DataPath` interface; it decides which GPU buffers of a frame go by
-descriptor and to which of the peers whose route chose it. It owns this node's :class:`~mq.cuda_ipc.DevicePool` per GPU, made at the first
-GPU send to an ``nvlink`` peer, and each peer's verdict on each of our pools: the first real
+descriptor and to which of the peers whose route chose it. It owns this node's
+:class:`~mq.cuda_ipc.DevicePool` per GPU, made at the first GPU send to an ``nvlink`` peer,
+and each peer's verdict on each of our pools: the first real
 open of a pool by the peer confirms the route, or drops it to staging through host memory with
 the CUDA error in ``routes()``. Receiving, it opens the pools peers offer
 (:class:`~mq.cuda_ipc.PeerPools`, kept on the peer) and answers with its verdict.
@@ -285,7 +286,8 @@ class GpuPath(DataPath):
                 release = self._release
                 reader = p.readers[self.tag] = cuda_ipc.PeerPools(
                     peer, loc.get("pid"), uuids,
-                    lambda pool_id, slot_id, event, peer=peer: release(peer, pool_id, slot_id, event))
+                    lambda pool_id, slot_id, event, peer=peer:  # type: ignore[misc]  # mypy: a lambda's default
+                    release(peer, pool_id, slot_id, event))
             return reader
 
     def offer(self, device: int = 0) -> Any:

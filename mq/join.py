@@ -153,6 +153,7 @@ class Join:
     def _answer_hello(self, peer_id: int, info: dict[str, Any], peer: Peer, ack: dict[str, Any]) -> None:
         """Open the link to a node that said HELLO and answer on it (its first frame)."""
         try:
+            assert peer.route is not None  # _new_peer chose it
             self._transport.connect(peer_id, info, peer.route)
             self._sender.send_control(peer_id, HELLO_ACK, ack, min(self._timeout, 5.0))
         except (MQError, OSError) as exc:
@@ -199,7 +200,7 @@ class Join:
     def _taken(self, peer_id: int, info: dict[str, Any]) -> str | None:
         """Why a HELLO for ``peer_id`` must be refused: its id belongs to a live process."""
         if peer_id == self.node_id:
-            where = self._transport.addresses
+            where: Any = self._transport.addresses
         else:
             old = self._peers.get(peer_id)
             if old is None or old.lost or old.info.get("incarnation") == info["incarnation"]:
@@ -244,7 +245,8 @@ class Join:
         mine, target = greeting[0], greeting[1]
         if self._secret is not None and not self._secret.check(
                 info["proof"], "ack", info["nonce"], mine, peer_id, self.node_id, info["incarnation"]):
-            self._refused_by[str(target)] = f"its answer (node {peer_id}) failed authentication: a different job secret?"
+            self._refused_by[str(target)] = (f"its answer (node {peer_id}) failed authentication: "
+                                             "a different job secret?")
             raise _handshake.Refused("bad_proof", f"a HELLO_ACK claiming node {peer_id} failed "
                                      "authentication (wrong job secret, or not a member of this job)")
         if info["error"]:  # a member refused us, and said why: the next wait raises it
@@ -261,6 +263,7 @@ class Join:
         if taken:
             raise _handshake.Refused("duplicate_id", taken)
         peer = old if same else self._new_peer(info)
+        assert peer is not None and peer.route is not None  # same: old is that live peer; _new_peer chose a route
         self._peers.bind(link, peer_id)
         if not same:
             self._transport.connect(peer_id, info, peer.route)
@@ -304,6 +307,7 @@ class Join:
         if taken:
             raise _handshake.Refused("duplicate_id", taken)
         self._peers.bind(link, peer_id)
+        assert peer.route is not None  # _new_peer chose it
         self._transport.connect(peer_id, peer.info, peer.route)
         old = self._peers.get(peer_id)
         if old is None or old.lost or old.info.get("incarnation") != peer.info.get("incarnation"):
@@ -421,7 +425,7 @@ class Join:
         themselves (no LINK)."""
         with self.lock:
             newest: dict[str, str] = {}
-            for token, (_n, target, when) in sorted(self.greetings.items(), key=lambda e: e[1][2]):
+            for token, (_n, target, _when) in sorted(self.greetings.items(), key=lambda e: e[1][2]):
                 newest[str(target)] = token
             half = sorted(key[0] for key in self._pending)
             refused_by = dict(self._refused_by)

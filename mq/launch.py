@@ -45,9 +45,9 @@ from mq import waits
 from mq import platforms
 from mq.backend import Backend, LaunchProfile, LocalJob
 from mq.errors import ConfigError, MQError, Timeout
-from mq.registry import backend_for, backends, check_mq_type, create, profile_for
+from mq.registry import DEFAULT_MQ_TYPE, backend_for, backends, check_mq_type, create, profile_for
 from mq.rendezvous import TOPOLOGIES, parse_init_method
-from mq.platforms.plan import free_port  # noqa: F401 (its home was here: mq.launch.free_port stays)
+from mq.platforms.plan import free_port  # its home was here: mq.launch.free_port stays
 from mq.supervise import die_with_parent, stop_processes, stop_signals_raise
 
 log = logging.getLogger("mq.launch")
@@ -234,7 +234,7 @@ class LaunchRequest:
 
     main: Callable[..., Any] | str
     n_workers: int | None = None
-    mq_type: str = "nng"
+    mq_type: str = DEFAULT_MQ_TYPE
     topology: str = "mesh"
     labels: Any = None
     roles: str | None = None
@@ -457,7 +457,7 @@ def _check_ports_free(binds: list[tuple[str, str, int, str]]) -> None:
 
 
 # ---------------------------------------------------------------------- running
-def launch(main: Callable[[Context], Any] | str, n_workers: int | None = None, mq_type: str = "nng",
+def launch(main: Callable[[Context], Any] | str, n_workers: int | None = None, mq_type: str = DEFAULT_MQ_TYPE,
            topology: str = "mesh", labels: Any = None, **options: Any) -> None:
     """Run ``main(ctx)`` in spawned worker processes, each with an open queue.
 
@@ -636,6 +636,7 @@ def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
                         format=f"%(asctime)s node{node_id} %(name)s %(levelname)s: %(message)s")
     state = _WorkerState()
     main_ident = threading.main_thread().ident
+    assert main_ident is not None  # the main thread runs this: it has an ident
 
     def on_signal(signum: int, frame: Any) -> None:
         if state.stopping:

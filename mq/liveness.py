@@ -5,8 +5,8 @@ worth probing (a PING carries our receipt, the count of their frames we received
 traded data or calls with lately and those a wait of ours depends on (:meth:`mq.waits.Waits.depend`);
 it declares silent ones lost in the peer table, and knows when this process itself was not
 scheduled (then nobody's silence is proven). A peer that is neither costs nothing: the idle
-cost of a node does not grow with the size of its mesh. ``flush`` waits for a peer's receipt; ``farewell`` tells every live peer
-we leave (BYE) and waits for their answers. Data flows::
+cost of a node does not grow with the size of its mesh. ``flush`` waits for a peer's receipt;
+``farewell`` tells every live peer we leave (BYE) and waits for their answers. Data flows::
 
     heartbeat thread -> Sender (PING) ; silence -> PeerTable.lose
     dispatch: PING -> on_ping -> PeerTable.receipt (and a PING back when asked)
@@ -189,8 +189,9 @@ class Liveness:
                 fut = calls.enter_context(self._calls.pending(peer, corr))
                 try:
                     bye = {"rx": self._peers.by_id[peer].rx, "serving": self._calls.farewell(peer)}
-                    left = max(0.0, deadline - time.monotonic())  # a dead peer fails fast (PeerLost);
-                    self._sender.send_control(peer, BYE, bye, min(left, max(1.0, left / 2)), corr)  # a slow one gets time
+                    # a dead peer fails fast (PeerLost); a slow one gets time
+                    left = max(0.0, deadline - time.monotonic())
+                    self._sender.send_control(peer, BYE, bye, min(left, max(1.0, left / 2)), corr)
                     waiting[peer] = fut
                 except Exception as exc:  # a dead (or full) peer must not delay our stop
                     log.debug("node %d: no farewell to node %d: %s", self.node_id, peer, exc)

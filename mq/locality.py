@@ -450,7 +450,7 @@ def detect_container(root: str = "/", environ: Mapping[str, str] | None = None) 
     _mount_evidence(root, found)
     _env_evidence(env, found)
     evidence = list(dict.fromkeys(found.evidence))  # one line per fact, first-seen order
-    runtime = None
+    runtime: str | None = None
     for preferred in ("kubernetes", "podman", "docker", "containerd", "lxc"):
         if preferred in found.runtimes:
             runtime = preferred

@@ -102,7 +102,7 @@ def enforce(peer: Peer, required: Mapping[Any, frozenset[str]] | None) -> None:
     """``require_route=``: a peer on a route it does not allow gets ``route_error`` (its sends
     raise it), named with the route's reason. Also logged, once."""
     allowed = None if required is None or peer.route is None else required.get(peer.node_id, required.get("*"))
-    if allowed is None or peer.route.kind in allowed:
+    if allowed is None or peer.route is None or peer.route.kind in allowed:  # (no route: allowed is None)
         peer.route_error = None
         return
     peer.route_error = (f"node {peer.node_id} is on route {peer.route.kind}, but require_route allows only "

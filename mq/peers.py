@@ -12,6 +12,7 @@ a link lost, a farewell) and liveness (a silent peer). Readers: everyone, and th
 
 from __future__ import annotations
 
+import builtins  # list: in PeerTable, `list` is its method
 import logging
 import threading
 import time
@@ -101,14 +102,14 @@ class PeerTable:
         with self.changed:
             return list(self.by_id.values())
 
-    def live(self) -> list[int]:
+    def live(self) -> builtins.list[int]:
         return [p.node_id for p in self.list() if not p.lost]
 
-    def ids(self, label: str | None = None) -> list[int]:
+    def ids(self, label: str | None = None) -> builtins.list[int]:
         """Node ids of live peers, optionally only those with ``label``."""
         return sorted(p.node_id for p in self.list() if not p.lost and (label is None or label in p.labels))
 
-    def subscribers(self, topic: str) -> list[int]:
+    def subscribers(self, topic: str) -> builtins.list[int]:
         return sorted(p.node_id for p in self.list() if topic in p.subscriptions and not p.lost)
 
     def routes(self) -> dict[int, Route]:

@@ -45,5 +45,6 @@ class RateLimitedLog:
                 if now - self._last < self._period:
                     return
                 held, self._held, self._last = self._held, {}, now
-                line = f"{self._what}: {sum(held.values())} more since the last line, by cause {held}; latest: {message}"
+                line = (f"{self._what}: {sum(held.values())} more since the last line, by cause {held}; "
+                        f"latest: {message}")
         self._logger.warning("%s", line)

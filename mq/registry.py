@@ -105,6 +105,10 @@ class _MqTypes(Mapping[str, Backend]):
 #: Every mq type (``nng``, ``torchrpc:cpu``, ...) -> its :class:`~mq.backend.Backend`.
 MQ_TYPES: Mapping[str, Backend] = _MqTypes()
 
+#: The mq type the launcher, the CLI and the integrations use when none is named: the one place
+#: outside a backend's folder that names it.
+DEFAULT_MQ_TYPE = "nng"
+
 
 def check_mq_type(mq_type: str) -> str:
     """Return the canonical mq type or raise ConfigError listing the known ones."""
@@ -141,14 +145,14 @@ def profile_for(mq_type: str) -> LaunchProfile:
 
 
 
-def backend_class(mq_type: str) -> tuple[type, dict[str, Any]]:
+def backend_class(mq_type: str) -> tuple[Any, dict[str, Any]]:  # Any: a Transport subclass, found by name
     """The transport class of ``mq_type`` and the options the type fixes (``device``)."""
     mq_type = check_mq_type(mq_type)
     backend = MQ_TYPES[mq_type]
     return backend.transport_class(), dict(backend.mq_types[mq_type])
 
 
-def transport_options(cls: type) -> frozenset[str]:
+def transport_options(cls: Any) -> frozenset[str]:  # Any: a Transport subclass, with its Options
     """The option names a transport class takes: the init fields of its ``Options`` type.
 
     Raises:
@@ -182,9 +186,10 @@ def route_options(mq_type: str, cls: type, fixed: dict[str, Any],
 
 def create(mq_type: str, node_id: int, labels: Any = None, **options: Any) -> MQ:
     """Create a node's message queue of the given mq type (``nng``, ``torchrpc:cpu``,
-    ``torchrpc:cuda``, ``inproc``, or one a plug-in adds: :data:`MQ_TYPES`). Common options are :class:`mq.MQ`'s; the others are the
-    fields of the transport's options type (``help(mq.backends.nng.options.NngOptions)``,
-    ``mq.backends.torchrpc.options.TorchRpcOptions``, ``mq.backends.inproc.options.InprocOptions``).
+    ``torchrpc:cuda``, ``inproc``, or one a plug-in adds: :data:`MQ_TYPES`). Common options are
+    :class:`mq.MQ`'s; the others are the fields of the transport's options type
+    (``help(mq.backends.nng.options.NngOptions)``, ``mq.backends.torchrpc.options.TorchRpcOptions``,
+    ``mq.backends.inproc.options.InprocOptions``).
 
     Raises:
         ConfigError: unknown mq type or a bad option (the message says which and how to fix it).

@@ -157,7 +157,7 @@ class Rendezvous:
             ProtocolError: an entry is not signed with the job's secret.
         """
         self.store.set(f"{self.prefix}{self.node_id}", sign_entry(secret, info))
-        keys = [f"{self.prefix}{i}" for i in range(self.world_size)]
+        keys = [f"{self.prefix}{i}" for i in range(self.world_size)]  # type: ignore[arg-type]  # __init__ checked it
         try:
             values = self.store.gather(keys, self.timeout)
         except Missing as exc:

@@ -144,8 +144,8 @@ def across_containers(a: Locality, b: Locality) -> str | None:
     if not (a.container.in_container or b.container.in_container):
         return None
     ids = (a.container.container_id, b.container.container_id)
-    if all(ids) and ids[0] != ids[1]:
-        return f"across containers ({ids[0][:12]} vs {ids[1][:12]}): CUDA IPC breaks there"
+    if all(ids) and ids[0] != ids[1]:  # (the ignore: all() made both a str)
+        return f"across containers ({ids[0][:12]} vs {ids[1][:12]}): CUDA IPC breaks there"  # type: ignore[index]
     differ = [ns for ns in ("pid_ns", "mnt_ns") if not known_same(getattr(a, ns), getattr(b, ns))]
     if differ:
         names = " and ".join(ns.replace("_ns", "") for ns in differ)

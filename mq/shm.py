@@ -326,8 +326,9 @@ class Pool(SlotPool):
             self.stats["lent"] += 1
         # `keep` exports the mapping while lent, so close() cannot unmap it under a view; the
         # last view's garbage collection (any thread) returns the slot through a queue, no lock.
+        # (The ignore: mypy cannot type a lambda with a default argument.)
         keep, back = memoryview(seg.mm), self._returned.append
-        return view_until_garbage(seg.base, nbytes, lambda keep=keep: back(seg))
+        return view_until_garbage(seg.base, nbytes, lambda keep=keep: back(seg))  # type: ignore[misc]
 
     def _collect_lent(self) -> None:
         """Take back the lent slots no view references any more. Called with the lock held."""
@@ -513,7 +514,7 @@ class PoolReader:
         else why not (the route then falls back to a socket, and says so). Runs before the
         peer authenticated: it maps one page, unpopulated, and unmaps it again."""
         try:
-            self._map(*self._probe, self._check_probe_size).close()
+            self._map(*self._probe, self._check_probe_size).close()  # type: ignore[call-arg]  # [seg_id, fd]: checked
         except ProtocolError as exc:
             return f"cannot open node {self.peer}'s shared memory ({exc})"
         return None

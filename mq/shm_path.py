@@ -49,8 +49,8 @@ class ShmPath(DataPath):
 
     @classmethod
     def make(cls, host: Any, options: dict[str, Any]) -> "ShmPath":
-        return cls(host.node_id, host.peers, host.releases, enabled=options["shm"], pool_bytes=options["shm_options"][0],
-                   inline_max=options["shm_options"][1], waits=host.waits)
+        return cls(host.node_id, host.peers, host.releases, enabled=options["shm"],
+                   pool_bytes=options["shm_options"][0], inline_max=options["shm_options"][1], waits=host.waits)
 
     def open(self) -> None:
         if not self._enabled:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 from mq import handshake as _handshake
 from mq.errors import ProtocolError

@@ -266,7 +266,7 @@ class StoreClient:
             if n > MAX_MESSAGE:
                 raise ProtocolError(f"the rendezvous store answered {n} bytes (is something else listening there?)")
             return msgpack.unpackb(self._read(n), raw=False)
-        except socket.timeout:
+        except TimeoutError:
             raise Timeout(f"the rendezvous store did not answer within {timeout:g}s") from None
         except OSError as exc:
             raise ProtocolError(f"lost the connection to the rendezvous store ({exc}): node 0 stopped, or it "

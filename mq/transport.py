@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterable, Protocol
 from mq.codec import Frame
 from mq.routing import Route
 
-Receipt = Callable[[], None]
+Receipt = Callable[[], object]  # waits until the peer has the frame; what it returns is ignored
 
 
 class Events(Protocol):

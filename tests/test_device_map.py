@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mq import device_map as dm
+from mq.backends.torchrpc import device_map as dm
 from mq.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

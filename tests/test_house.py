@@ -276,3 +276,38 @@ def test_the_waiting_rule_catches_each_way_to_block(snippet):
 ])
 def test_the_waiting_rule_lets_critical_sections_and_strings_be(snippet):
     assert not blocking_outside_waits(snippet), snippet
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def test_only_the_registry_names_a_backend_outside_its_folder():
+    """Issue 47: a backend is a plug-in. mq asks its Backend object (capabilities, launch
+    profile), never compares mq types: outside ``mq/backends/<name>/`` a string that is one of its
+    mq types appears only in the registry (``DEFAULT_MQ_TYPE``). Exempt: the tools (each bench row
+    compares a backend with its own raw baseline) and names that are also route kinds or address
+    families (``inproc``), which a string cannot tell apart."""
+    from mq.registry import backends
+    from mq.routing import ROUTE_KINDS
+
+    names: dict[str, str] = {}
+    for backend in backends().values():
+        for name in (backend.name, *backend.mq_types, *backend.aliases):
+            if name not in ROUTE_KINDS:
+                names[name] = backend.name
+    assert {"nng", "torchrpc:cpu"} <= set(names)
+    offenders = []
+    for path, tree in _sources("mq").items():
+        parts = pathlib.Path(path).parts
+        if path == "mq/registry.py" or path.startswith("mq/tools/"):
+            continue
+        own = parts[2] if parts[1] == "backends" and len(parts) > 3 else None
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+                    and names.get(node.value, own) != own):
+                offenders.append(f"{path}:{node.lineno} names {node.value!r}")
+    assert not offenders, "ask the backend (mq.backend.Backend), do not name it:\n" + "\n".join(offenders)

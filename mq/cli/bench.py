@@ -11,7 +11,7 @@ import json
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import click
 
@@ -131,7 +131,8 @@ def _fail(message: str) -> click.ClickException:
 def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, ...],
           subscribers: int, messages: int, device: str, sizes: str | None,
           max_seconds: float | None, target_seconds: float, min_samples: int, max_samples: int,
-          warmup: int, two_hosts: bool, fan_hosts: str | None, link_rate: str | None, suite: bool, no_baseline: bool, no_links: bool, split_cpus: bool, busy_poll: bool | None, background_load: int, fmt: str,
+          warmup: int, two_hosts: bool, fan_hosts: str | None, link_rate: str | None, suite: bool,
+          no_baseline: bool, no_links: bool, split_cpus: bool, busy_poll: bool | None, background_load: int, fmt: str,
           out_dir: str | None, plot_path: str | None, quiet: bool, fleet_nodes: str = "16,64",
           fleet_procs: int = 8) -> None:
     """Latency (round trip, one-way, fan-out) and stream throughput between processes per mq
@@ -170,14 +171,14 @@ def bench(mq_types: tuple[str, ...], routes: tuple[str, ...], modes: tuple[str, 
     devices: dict[str, str] = {}
     modes = tuple(lib.MODES) if suite else (modes or ("roundtrip",))
     # A stream message is small unless --sizes says otherwise (the suite's always is).
-    mode_sizes = {} if sizes and not suite else {"stream": [STREAM_SIZE]}
+    mode_sizes: dict[str, Sequence[int]] = {} if sizes and not suite else {"stream": [STREAM_SIZE]}
     if suite:
         mode_sizes.update({m: [s for s in size_list if s <= cap] or size_list[:1]
                            for m, cap in SUITE_MODE_MAX_SIZE.items()})
         out_dir = out_dir or "bench-results/suite"
         plot_path = plot_path or os.path.join(out_dir, "bench.png")
         if device == "cpu" and lib.cuda_available():
-            devices["torchrpc:cuda"] = "cuda"  # the point of that mq type
+            devices.update(lib.SUITE_DEVICES)  # the point of those mq types
     if not routes:  # a CUDA payload over tcp or ipc is staged through host memory: not the point
         routes = ("auto",) if device == "cuda" else tuple(lib.NNG_ROUTES)
     cfg = lib.BenchConfig(
@@ -279,7 +280,7 @@ def _ratio_style(r: dict[str, Any]) -> str:
     ratio = r["ratio"]
     if ratio is None or r.get("mode") == "fanout":  # compared with itself, not a raw library
         return ""
-    limit = 1.15 if r["mq_type"] == "torchrpc:cpu" else (1.25 if r["mq_type"] == "nng" and r["size_bytes"] <= 20 * 1024 else 1.5)
+    limit = lib.ratio_limit(r)
     return "green" if ratio <= limit else ("yellow" if ratio <= 1.5 else "red")
 
 
@@ -304,7 +305,7 @@ def _print_tables(report: lib.Report) -> None:
     for col, just in (("row", "left"), ("size", "right"), ("samples", "right"), ("min", "right"),
                       ("p50", "right"), ("p99", "right"), ("max", "right"), ("Gbit/s", "right"),
                       ("raw p50", "right"), ("ratio", "right"), ("x bound", "right"), ("note", "left")):
-        t.add_column(col, justify=just, overflow="fold")
+        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]  # "left" or "right": a str to mypy
     last = None
     for r in report.rows:
         label = lib.row_label(r)
@@ -322,7 +323,8 @@ def _print_tables(report: lib.Report) -> None:
     _print_gpu(console, report)
     for target in report.targets:
         mark = ("[green]met[/green]" if target["met"] else
-                ("[dim]not judged (no row of its kind ran)[/dim]" if not target["rows_checked"] else "[red]missed[/red]"))
+                ("[dim]not judged (no row of its kind ran)[/dim]" if not target["rows_checked"] else
+                 "[red]missed[/red]"))
         console.print(f"{mark}: {target['target']} (worst: {target['worst']})")
     for note in report.notes:
         console.print(f"[dim]note: {note}[/dim]")

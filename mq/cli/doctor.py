@@ -9,7 +9,6 @@ its section instead of failing the command; it must work on a laptop without GPU
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 from typing import Any, Callable, Mapping
 
@@ -27,7 +26,7 @@ __all__ = ["doctor", "report"]
 
 _OTHER_BOOT_ID = "00000000-0000-0000-0000-000000000000"
 
-def _section(fn: Callable[[], Any]) -> Any:
+def _section(fn: Callable[..., Any]) -> Any:  # called with no argument (`...`: mypy types lambdas with defaults)
     try:
         return fn()
     except Exception as exc:  # a broken probe is a finding, not a crash
@@ -106,7 +105,7 @@ def _gpu_pairs(me: Locality, probe_cuda: bool) -> dict[str, Any]:
                                     "p2p": None if i == j else [j in gi.p2p, i in gj.p2p],
                                     "pool_open": None}
             if probe_cuda:
-                pair["pool_open"] = _section(lambda: gpu_probe.pool_open(device=i, peer_device=j))
+                pair["pool_open"] = _section(lambda i=i, j=j: gpu_probe.pool_open(device=i, peer_device=j))
             pairs.append(pair)
     return {"count": len(gpus), "pid_ns": me.pid_ns, "probed": probe_cuda, "pairs": pairs}
 

@@ -24,7 +24,7 @@ class _LazyGroup(click.Group):
         module = importlib.import_module(f"mq.cli.{_COMMANDS[name]}")
         return getattr(module, name)
 
-    def main(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def main(self, *args: Any, **kwargs: Any) -> Any:
         """Bad input exits 2 with one line saying what was wrong (no usage dump)."""
         kwargs["standalone_mode"] = False
         try:

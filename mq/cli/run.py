@@ -9,7 +9,7 @@ import click
 
 from mq.errors import ConfigError, MQError
 from mq.platforms import PLATFORMS
-from mq.registry import backend_for, backends, launchable_mq_types
+from mq.registry import DEFAULT_MQ_TYPE, backend_for, backends, launchable_mq_types
 from mq.rendezvous import TOPOLOGIES
 
 
@@ -19,8 +19,8 @@ def _parsed(mq_type: str, given: dict[str, Any]) -> dict[str, Any]:
         flags = {f.option: f for f in backend_for(mq_type).flags}
     except ConfigError:
         flags = {}  # an unknown --mq-type: make_plan says so
-    return {k: flags[k].parse(v) if k in flags and flags[k].parse and isinstance(v, str) else v
-            for k, v in given.items() if v is not None}
+    return {k: flags[k].parse(v) if k in flags and flags[k].parse and isinstance(v, str) else v  # type: ignore[misc]
+            for k, v in given.items() if v is not None}  # (ignore: mypy does not narrow flags[k].parse)
 
 
 def _int_list(value: str | None, what: str) -> list[int] | None:
@@ -64,7 +64,7 @@ def _backend_flags(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--parallel-workers", "-n", type=int, default=None,
               help="Workers (nodes) to start on this machine [default: 1; under --platform slurm, "
                    "one worker per srun task, while -n W runs W per host with one task per host].")
-@click.option("--mq-type", default="nng", show_default=True, metavar="|".join(launchable_mq_types()),
+@click.option("--mq-type", default=DEFAULT_MQ_TYPE, show_default=True, metavar="|".join(launchable_mq_types()),
               help="Backend: " + "; ".join(f"{', '.join(b.mq_types)}: {b.summary}"
                                            for b in backends().values() if b.launch is not None) + ".")
 @click.option("--topology", default="mesh", show_default=True, metavar="|".join(TOPOLOGIES),
@@ -77,7 +77,8 @@ def _backend_flags(command: Callable[..., Any]) -> Callable[..., Any]:
                    "Default: free ports picked by the launcher; base port 50515 under "
                    "--platform slurm|k8s.")
 @click.option("--attach-to", default=None, metavar="ADDR[,ADDR...]",
-              help="nng: extra peer addresses to join, e.g. tcp://10.0.0.1:50515.")
+              help="Extra peer addresses to join, e.g. tcp://10.0.0.1:50515 (mq types whose nodes "
+                   "listen on addresses; the others meet through --init-method).")
 @click.option("--node-ids", default=None, metavar="ID[,ID...]",
               help="Node ids of this machine's workers (one per worker, or a start id). Default 0..n-1.")
 @click.option("--labels", multiple=True, metavar="LABEL[,LABEL]",
@@ -89,7 +90,8 @@ def _backend_flags(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--world-size", type=int, default=None,
               help="Nodes in the whole job (all machines). Default: max node id + 1.")
 @click.option("--init-method", default=None, metavar="tcp://H:P|env://|file://PATH",
-              help="Rendezvous for torchrpc (and nng without --ports).")
+              help="Rendezvous store (mq types whose workers bind no given ports, and the others "
+                   "without --ports).")
 @click.option("--platform", default="local", show_default=True, metavar="|".join((*PLATFORMS, "ray")),
               help="Derive node ids, addresses and ports from the scheduler's environment; ray: "
                    "start all -n nodes of the job as actors on a Ray cluster.")
@@ -109,7 +111,8 @@ def _backend_flags(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: str, topology: str,
         address: str | None, ports: str | None, attach_to: str | None,
-        node_ids: str | None, labels: tuple[str, ...], roles: str | None, world_size: int | None, init_method: str | None,
+        node_ids: str | None, labels: tuple[str, ...], roles: str | None, world_size: int | None,
+        init_method: str | None,
         platform: str, ray_address: str | None, ray_resources: tuple[str, ...], startup_interval: float,
         log_level: str, job_timeout: float | None, args: tuple[str, ...], **backend_flags: Any) -> None:
     """Launch this machine's workers of a job; each runs MAIN(ctx) with its open queue.
@@ -203,7 +206,8 @@ def _run_on_ray(main_: str, package: str | None, n: int | None, mq_type: str, to
             node_labels = parse_labels(list(labels) if len(labels) > 1 else (labels[0] if labels else None), ids)
         job = on_ray.RayJob(main=main_, mq_type=mq_type, world_size=n, labels=node_labels,
                             resources=on_ray.parse_resources(ray_resources, node_labels),
-                            backend_options=checked_flags(backend_for(mq_type), mq_type, _parsed(mq_type, backend_flags)),
+                            backend_options=checked_flags(backend_for(mq_type), mq_type,
+                                                          _parsed(mq_type, backend_flags)),
                             topology=topology, args={"argv": list(args)}, package=package, log_level=log_level)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None

@@ -21,6 +21,7 @@ from rich.table import Table
 
 import mq
 from mq import telemetry
+from mq.registry import DEFAULT_MQ_TYPE
 from mq.metrics import prometheus_registry
 
 __all__ = ["render", "top"]
@@ -82,7 +83,7 @@ class _Latest:
 @click.command()
 @click.option("--attach-to", required=True, help="address(es) of running nodes, comma-separated "
               "(e.g. the learner's tcp://10.0.0.1:50515); their peers are shown too")
-@click.option("--mq-type", default="nng", show_default=True, help="the job's mq type")
+@click.option("--mq-type", default=DEFAULT_MQ_TYPE, show_default=True, help="the job's mq type")
 @click.option("--node-id", type=int, default=None, help="this watcher's node id (default: 2**30 + pid, "
               "unused by any job)")
 @click.option("--interval", type=float, default=2.0, show_default=True, help="seconds between refreshes")
@@ -119,7 +120,7 @@ def top(attach_to: str, mq_type: str, node_id: int | None, interval: float, once
             from prometheus_client import CollectorRegistry, start_http_server
 
             registry = CollectorRegistry()
-            registry.register(latest)  # type: ignore[arg-type]
+            registry.register(latest)
             start_http_server(prometheus, registry=registry)
         console = Console()
         if not console.is_terminal:  # a pipe or a log file: one table per refresh

@@ -47,13 +47,14 @@ module does not import it at top level.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import mq
 from mq.waits import Flag
@@ -129,7 +130,7 @@ class MQOnDing(DingMQ):
         self._pending: set[str] = set()  # subscribed before listen() finished
         self._ready = Flag()  # listen() finished (or failed)
         self._stopped = Flag()
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._held = _HeldEvents()
         self._warned: set[str] = set()
         _children_take_their_stop_signal()
@@ -189,7 +190,7 @@ class MQOnDing(DingMQ):
             elif self._ready.is_set() and self._error is None and topic in self.q.subscriptions():
                 self.q.unsubscribe(topic)
 
-    def recv(self) -> Optional[tuple[str, bytes]]:
+    def recv(self) -> tuple[str, bytes] | None:
         """The next (topic, bytes); None once stopped (DI-engine's listener loop then ends)."""
         while not self._stopped.is_set():
             if not self._ready.wait(RECV_SLICE_S):
@@ -293,7 +294,7 @@ class _HeldEvents:
             self._ready.append((at, topic, event))
             return True
 
-    def due(self, now: float) -> Optional[tuple[str, bytes]]:
+    def due(self, now: float) -> tuple[str, bytes] | None:
         if not self._ready:  # the common case, per recv: no lock
             return None
         with self._lock:
@@ -361,8 +362,8 @@ def _pass_job_secret(options: dict[str, Any]) -> None:
     os.environ[auth.ENV_VAR] = auth.resolve_secret().key.decode()
 
 
-def _args_parser(cls: type, n_parallel_workers: int, mq_type: str, attach_to: Any = None,
-                 protocol: str = "ipc", address: Optional[str] = None, ports: Any = None,
+def _args_parser(cls: Any, n_parallel_workers: int, mq_type: str, attach_to: Any = None,  # cls: DI-engine's Parallel
+                 protocol: str = "ipc", address: str | None = None, ports: Any = None,
                  topology: str = "mesh", labels: Any = None, node_ids: Any = None,
                  auto_recover: bool = False, max_retries: Any = float("inf"),
                  startup_interval: Any = 1, **_unused: Any) -> list[dict[str, Any]]:
@@ -387,14 +388,14 @@ def _args_parser(cls: type, n_parallel_workers: int, mq_type: str, attach_to: An
     options = dict(_extra_options)
     init_method = None
     world_size = max(ids) + 1
-    if kind.startswith("torchrpc"):
+    if not profile.binds_plan_ports():  # its workers pick their own ports: they meet in a store
         if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
             init_method = "env://"  # torchrun's variables: a job across hosts
             world_size = int(os.environ.get("WORLD_SIZE") or world_size)
         elif extra_attach:
             raise ConfigError(f"{mq_type} across hosts meets in a rendezvous store: set MASTER_ADDR, "
                               "MASTER_PORT and WORLD_SIZE (torchrun's variables) on every host; "
-                              "attach_to is for mq:nng")
+                              "attach_to is for the mq types whose nodes listen on addresses")
     job = LocalJob(node_ids=ids, world_size=world_size, topology=topology, address=address,
                    ports=port_list, attach_to=extra_attach, init_method=init_method, pick_port=free_port)
     per_node = profile.local_options(job)
@@ -417,10 +418,11 @@ def _args_parser(cls: type, n_parallel_workers: int, mq_type: str, attach_to: An
 _ding_runner = Parallel.__dict__["runner"].__func__
 if getattr(_ding_runner, "_mq_wrapped", False):  # a second copy of this module (python -m)
     _ding_runner = _ding_runner.__wrapped__
+_DING_DEFAULT = inspect.signature(_ding_runner).parameters["mq_type"].default  # DI-engine's own default
 
 
 @functools.wraps(_ding_runner)
-def _runner(cls: type, n_parallel_workers: int, mq_type: str = "nng", *args: Any, **kwargs: Any) -> Any:
+def _runner(cls: type, n_parallel_workers: int, mq_type: str = _DING_DEFAULT, *args: Any, **kwargs: Any) -> Any:
     run = _ding_runner(cls, n_parallel_workers, mq_type, *args, **kwargs)
     if isinstance(mq_type, str) and mq_type.startswith(PREFIX):
         if mq_type not in MQ_TYPES:

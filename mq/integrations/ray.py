@@ -55,7 +55,8 @@ def connect(what: str, address: str | None = None, *, show_output: bool = False)
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     try:
         _check_reachable(address)  # (Ray itself retries a dead address for a minute or more)
-        ray.init(address=address, log_to_driver=show_output, logging_level="ERROR")
+        ray.init(address=address, log_to_driver=show_output,
+                 logging_level="ERROR")  # type: ignore[arg-type]  # Ray takes a level's name too
     except (ConnectionError, OSError, RuntimeError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise ConfigError(f"{what}: no Ray cluster to join at {address!r} ({first}); start one with "

@@ -43,8 +43,9 @@ Errors are mq's (:mod:`mq.errors`) and every wait is bounded by ``timeout``:
 
 Wire format (topic ``torchrl.<model_id>``, msgpack plus out-of-band tensors, nothing pickled):
 ``{"v": version, "b": bucket, "n": buckets, "k": [names], "r": [[first, end] element of each
-piece], "t": [tensors: whole, or a flat slice], "m": manifest or None}``; answers on ``torchrl.<model_id>.ack``: ``{"v": version, "b": bucket, "error": str or
-None, "done": whether the version is now applied whole}``.
+piece], "t": [tensors: whole, or a flat slice], "m": manifest or None}``; answers on
+``torchrl.<model_id>.ack``: ``{"v": version, "b": bucket, "error": str or None, "done": whether
+the version is now applied whole}``.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -64,6 +65,7 @@ import mq
 import mq.telemetry
 from mq import auth
 from mq.errors import ConfigError, MQError, PeerLost, Timeout
+from mq.registry import DEFAULT_MQ_TYPE, backend_for
 
 __all__ = ["BUCKET_BYTES", "MQWeightSyncScheme", "TIMEOUT_S"]
 
@@ -290,10 +292,10 @@ class _Trainer:
         live = set(self.q.peers())
         lags = {n: self.version - v for n, v in sorted(self.applied.items()) if n in live}
         self.q.set_metric("policy_lag", {self.topic: lags})
-        self.q.set_metric("weight_sync", {self.topic: {
+        self.q.set_metric("weight_sync", {self.topic: {  # (cast: the percentile of some times is a float)
             "version": self.version, "updates": len(self._times), "bytes": self._bytes,
-            "update_ms_p50": None if not self._times else 1e3 * _percentile(self._times, 0.5),
-            "update_ms_p99": None if not self._times else 1e3 * _percentile(self._times, 0.99)}})
+            "update_ms_p50": None if not self._times else 1e3 * cast(float, _percentile(self._times, 0.5)),
+            "update_ms_p99": None if not self._times else 1e3 * cast(float, _percentile(self._times, 0.99))}})
 
     def update_times(self) -> list[float]:
         """Seconds each update took (the newest last; at most 256)."""
@@ -399,8 +401,8 @@ class MQWeightSyncScheme(WeightSyncScheme):
     Args:
         strategy: TorchRL's ``"tensordict"`` (default) or ``"state_dict"``: how weights are
             taken from the trainer's policy.
-        mq_type: the mq type of the scheme's own nodes: ``nng`` (default) or ``inproc`` (one
-            process, for tests).
+        mq_type: the mq type of the scheme's own nodes: ``nng`` (default), ``inproc`` (one
+            process, for tests), or any whose backend allows several nodes per process.
         listen_to: the trainer's address (``tcp://host:port``). Default: ``127.0.0.1`` for
             collectors on this host, this host's address (as TorchRL's distributed collectors
             use) for ``DistributedCollector`` and ``RPCCollector``; port 0 picks a free one.
@@ -417,13 +419,16 @@ class MQWeightSyncScheme(WeightSyncScheme):
             multiprocess and distributed collectors do; an ``RPCCollector`` does not).
     """
 
-    def __init__(self, strategy: str = "tensordict", *, mq_type: str = "nng", listen_to: str | None = None,
+    def __init__(self, strategy: str = "tensordict", *, mq_type: str = DEFAULT_MQ_TYPE, listen_to: str | None = None,
                  bucket_bytes: int = BUCKET_BYTES, timeout: float = TIMEOUT_S, options: dict[str, Any] | None = None,
                  q: Any = None, nodes: list[int] | None = None, trainer: int = TRAINER, mesh: bool = False):
         super().__init__(strategy)
-        if mq_type not in ("nng", "inproc"):
-            raise ConfigError(f"MQWeightSyncScheme(mq_type={mq_type!r}): the scheme runs its own nodes on 'nng' "
-                              "(or 'inproc' in one process); torch RPC's one agent per process belongs to TorchRL here")
+        backend = backend_for(mq_type)  # (ConfigError for an unknown type)
+        if backend.one_per_process:
+            raise ConfigError(f"MQWeightSyncScheme(mq_type={mq_type!r}): the scheme runs nodes of its own beside "
+                              f"TorchRL's, and {backend.name} allows one per process (torch RPC's one agent belongs "
+                              f"to TorchRL here); use {DEFAULT_MQ_TYPE!r}")
+        self._spans_processes = backend.launch is not None  # (not: nodes of one process, for tests)
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1 << 16:
             raise ConfigError(f"bucket_bytes must be an int >= 65536, got {bucket_bytes!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -447,7 +452,7 @@ class MQWeightSyncScheme(WeightSyncScheme):
         self._trainer: _Trainer | None = None
         self._receiver: _Receiver | None = None
         self._early = False  # sent to workers before init_on_sender (they do not wait for version 0)
-        self.mesh = bool(mesh) and q is None and mq_type == "nng"
+        self.mesh = bool(mesh) and q is None and self._spans_processes
         self._mesh_at: str | None = None  # the mesh's rendezvous (init_method)
         self._trainer_nodes: list[int] = []
         self._unpickled = False
@@ -505,7 +510,9 @@ class MQWeightSyncScheme(WeightSyncScheme):
         if self._q is None and self.mesh:
             # Every node meets in a rendezvous the trainer hosts: its listen waits for all the
             # workers, so it starts in connect(), once TorchRL started them.
-            host = self._trainer_listen(context).partition("://")[2].rpartition(":")[0]
+            listen = self._trainer_listen(context)
+            assert listen is not None  # a mesh spans processes: an address
+            host = listen.partition("://")[2].rpartition(":")[0]
             self._address = self._mesh_at = f"tcp://{host}:{_free_port(host)}"
             auth.resolve_secret()
             return
@@ -525,7 +532,7 @@ class MQWeightSyncScheme(WeightSyncScheme):
         return {"init_method": self._mesh_at, "world_size": len(self._workers) + 1, "topology": "mesh"}
 
     def _trainer_listen(self, context: Any) -> str | None:
-        if self.mq_type != "nng":
+        if not self._spans_processes:
             return self.listen_to
         if self.listen_to:
             return self.listen_to
@@ -615,8 +622,9 @@ class MQWeightSyncScheme(WeightSyncScheme):
         if self._adopt(worker):
             return
         if self._owns_q:
+            assert self._address is not None  # _init_on_receiver_impl checked it
             listen = None
-            if self.mq_type == "nng":
+            if self._spans_processes:
                 host = self._address.partition("://")[2].rpartition(":")[0]
                 listen = f"tcp://{_local_ip_towards(host)}:0"
             attach = () if self._mesh_at else (self._address,)

@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from typing import cast
 
 from mq import waits
 from mq.errors import ConfigError
@@ -39,7 +40,7 @@ def resolve_hosts(hosts: Sequence[str], source: str = "", *, timeout_s: float = 
             except IndexError:
                 return
             try:
-                results[host] = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+                results[host] = cast(str, socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
             except OSError as exc:
                 results[host] = exc
 

@@ -168,7 +168,7 @@ def _task_place(env: Mapping[str, str], hosts: list[str], tasks: list[int],
         )
     offset = 0
     host_index = 0
-    for host_index, count in enumerate(tasks):
+    for host_index, count in enumerate(tasks):  # noqa: B007 - read after the loop: the task's host
         if procid < offset + count:
             break
         offset += count

@@ -92,20 +92,20 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 from mq.errors import ConfigError
 from mq.registry import launchable_mq_types
 from mq.supervise import stop_signals_raise
 from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
-    ROW_FIELDS, TARGETS, add_link_fractions, Report, _read, _targets, check_line, fmt_ms, fmt_ratio, gpu_pivot,
-    machine_info, machine_line, pivot, plot, row_label, row_note, to_csv, to_json, to_markdown,
-    with_load, write_all,
+    ROW_FIELDS, SUITE_DEVICES, TARGETS, add_link_fractions, Report, _read, _targets, check_line, fmt_ms, fmt_ratio,
+    gpu_pivot, machine_info, machine_line, pivot, plot, ratio_limit, row_label, row_note, to_csv, to_json,
+    to_markdown, with_load, write_all,
 )
 from mq.tools.bench_units import (  # noqa: F401
     DEFAULT_SIZES, GB, KB, MAX_SIZE, MB, format_size, parse_size, parse_sizes,
 )
-from mq.tools.bench_cases import (  # noqa: F401 (cuda_available: the CLI's)
+from mq.tools.bench_cases import (  # cuda_available: the CLI's
     HOSTS, Case, SizeResult, WorkerFailed, WorkerProc, cuda_available, mq_type_unavailable,
     pool_api_missing, rdma_unavailable, rpc_unavailable, zmq_installed,
 )
@@ -552,7 +552,7 @@ class _Runner:
             prev = _previous(c, size)
             if prev is not None and prev.skipped and not prev.samples_ns:
                 res.done = True
-                res.skipped = f"not run: {format_size(_prev_size(c, size))} already reached --max-seconds"
+                res.skipped = f"not run: {format_size(cast(int, _prev_size(c, size)))} already reached --max-seconds"
                 self.progress({"event": "advance", "text": f"{c.name} {format_size(size)}: skipped"})
                 continue
             live.append(c)

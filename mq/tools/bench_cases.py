@@ -9,7 +9,7 @@ import importlib.util
 import logging
 import multiprocessing.spawn as mp_spawn
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 from mq.supervise import stop_processes
 from mq.tools.bench_workers import worker
@@ -86,7 +86,8 @@ class Case:
     (A, and one B per subscriber: none for a bound)."""
 
     kind: str  # "mq" | "raw" | "bound"
-    mq_type: str  # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:socket, raw:rpc, raw:rpc-cuda | memcpy, d2d
+    # nng, torchrpc:cpu, torchrpc:cuda | raw:pynng, raw:pyzmq, raw:socket, raw:rpc, raw:rpc-cuda | memcpy, d2d
+    mq_type: str
     route: str  # requested: auto/tcp/ipc/rdma/handle (mq), tcp/ipc (raw sockets), auto (rpc), warm (bound)
     device: str
     hosts: str
@@ -210,6 +211,7 @@ def pool_api_missing(device: str = "cpu") -> str | None:
     if not (hasattr(mq.MQ, "alloc") and hasattr(mq.MQ, "wait_released")):  # what mq.create returns
         return "mq has no shared-memory pool API"
     if device != "cpu":
+        params: Mapping[str, Any]  # a signature's, or none
         try:
             params = inspect.signature(mq.MQ.alloc).parameters
         except (TypeError, ValueError):

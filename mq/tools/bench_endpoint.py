@@ -8,7 +8,7 @@ import contextlib
 import gc
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 
 from mq.tools.bench_units import MB
@@ -194,6 +194,16 @@ class Endpoint:
     ``_send(t)``, ``_recv_echo()``, ``_recv_ack()``, ``_send_item(i, x)``; B: ``_b_recv(timeout)``
     (None on timeout, raises :class:`Closed`), ``_b_echo(m)``, ``_b_counter(m)``, ``_b_ack(v)``.
     """
+
+    # Those primitives, declared for mypy (annotations only: a subclass without one has none).
+    _send: Callable[..., Any]
+    _recv_echo: Callable[[], Any]
+    _recv_ack: Callable[[], Any]
+    _send_item: Callable[[int, Any], None]
+    _b_recv: Callable[[float], Any]
+    _b_echo: Callable[[Any], None]
+    _b_counter: Callable[[Any], int]
+    _b_ack: Callable[[Any], None]
 
     def __init__(self, role: str, spec: dict[str, Any]):
         self.role = role

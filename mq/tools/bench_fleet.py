@@ -44,7 +44,7 @@ def _worker(first: int, count: int, world: int, port: int, timeout: float) -> No
         try:
             q.listen()
             q.wait_for_peers(world - 1, timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - reported to the harness
+        except Exception as exc:  # any: reported to the harness
             errors.append(f"node {q.node_id}: {type(exc).__name__}: {exc}")
 
     threads = [threading.Thread(target=join, args=(q,)) for q in nodes]
@@ -93,6 +93,7 @@ def run(nodes: int, procs: int, idle: float, timeout: float, settle: float = 15.
         time.sleep(idle)
         out["idle_cpu"] = round((_cpu_seconds(pids) - cpu0) / (time.monotonic() - t0), 4)
         for c in children:
+            assert c.stdin is not None  # PIPE
             c.stdin.write("stop\n")
             c.stdin.flush()
         out["stop_s"] = max(_line(c, 60).get("stop_s", float("inf")) for c in children)
@@ -117,6 +118,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def _line(child: subprocess.Popen, timeout: float) -> dict[str, Any]:
+    assert child.stdout is not None  # PIPE
     ready, _, _ = select.select([child.stdout], [], [], timeout)
     line = child.stdout.readline().strip() if ready else ""
     return json.loads(line) if line else {}

@@ -189,7 +189,8 @@ def _cluster(hosts: int) -> Iterator[tuple[str, dict[str, str], Any]]:
         deadline = time.monotonic() + 120
         while True:
             try:
-                ray.init(address=env["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+                ray.init(address=env["RAY_ADDRESS"], logging_level="ERROR",  # type: ignore[arg-type]  # a name too
+                         log_to_driver=False)
                 if sum(1 for n in ray.nodes() if n["Alive"]) >= hosts:
                     break
                 ray.shutdown()
@@ -244,7 +245,8 @@ def _round_trip_rows(ray: Any, hosts: int, sizes: list[int], samples: int) -> li
                 p50, p99 = _stats(ray.get(a.round_trips.remote(how, b, nbytes, n)))
                 rows.append({"hosts": "2 Ray nodes" if hosts == 2 else "1 Ray node", "size": nbytes, "how": how,
                              "samples": n, "p50": p50, "p99": p99, "where": where})
-                print(f"  {rows[-1]['hosts']} {format_size(nbytes)} {how}: p50 {p50:.3f} ms p99 {p99:.3f} ms", flush=True)
+                print(f"  {rows[-1]['hosts']} {format_size(nbytes)} {how}: p50 {p50:.3f} ms p99 {p99:.3f} ms",
+                      flush=True)
     finally:
         ray.get([a.stop.remote(), b.stop.remote()])
         for h in (a, b):
@@ -284,7 +286,8 @@ def report(rt_rows: list[dict[str, Any]], up_rows: list[dict[str, Any]], argv: l
              "```bash", "python -m mq.tools.bench_ray " + " ".join(argv), "```", "",
              (__doc__ or "").split("\n\n", 2)[2].split("\n\nTimes are")[0].strip(), "",
              "## Round trip A -> B -> A (ms)", "",
-             "| placement | size | mq p50 | ray call p50 | ray put/get p50 | mq p99 | ray call p99 | ray put/get p99 | mq / ray call |",
+             "| placement | size | mq p50 | ray call p50 | ray put/get p50 | mq p99 | ray call p99 | ray put/get p99 "
+             "| mq / ray call |",
              "|---|---|---|---|---|---|---|---|---|"]
     keyed = {(r["hosts"], r["size"], r["how"]): r for r in rt_rows}
     for hosts in dict.fromkeys(r["hosts"] for r in rt_rows):
@@ -294,12 +297,13 @@ def report(rt_rows: list[dict[str, Any]], up_rows: list[dict[str, Any]], argv: l
                          f"{m['p99']:.3g} | {c['p99']:.3g} | {p['p99']:.3g} | {m['p50'] / c['p50']:.2f}x |")
     if up_rows:
         lines += ["", f"## One weight update to {SUBSCRIBERS} actors on one Ray node (ms, every actor has it)", "",
-                  "| size | mq publish p50 | ray.put + calls p50 | mq p99 | ray p99 | mq / ray |", "|---|---|---|---|---|---|"]
+                  "| size | mq publish p50 | ray.put + calls p50 | mq p99 | ray p99 | mq / ray |",
+                  "|---|---|---|---|---|---|"]
         ups = {(r["size"], r["how"]): r for r in up_rows}
         for size in dict.fromkeys(r["size"] for r in up_rows):
             m, r_ = ups[(size, "mq publish")], ups[(size, "ray.put + calls")]
-            lines.append(f"| {format_size(size)} | {m['p50']:.3g} | {r_['p50']:.3g} | {m['p99']:.3g} | {r_['p99']:.3g} | "
-                         f"{m['p50'] / r_['p50']:.2f}x |")
+            lines.append(f"| {format_size(size)} | {m['p50']:.3g} | {r_['p50']:.3g} | {m['p99']:.3g} | "
+                         f"{r_['p99']:.3g} | {m['p50'] / r_['p50']:.2f}x |")
     placements = {r["hosts"]: r["where"] for r in rt_rows}
     lines += ["", "Actors ran on: " + "; ".join(f"{k}: A on {v[0]}, B on {v[1]}" for k, v in placements.items()) + "."]
     return "\n".join(lines) + "\n"

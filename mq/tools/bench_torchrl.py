@@ -179,7 +179,7 @@ def run_receivers(name: str, kind: str, updates: int, hosts: int) -> dict[str, A
 def _receivers(name: str, kind: str, updates: int, tmp: str, ns: Any, addr: str) -> dict[str, Any]:
     policy = make_policy(kind)
     if name == "distributed":  # TorchRL's scheme advertises gethostbyname(gethostname()) and uses env://
-        socket.gethostbyname = lambda _host, _addr=addr: _addr
+        socket.gethostbyname = lambda _host, _addr=addr: _addr  # type: ignore[misc]  # mypy: a lambda's default
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(_free_port(addr)),
                           GLOO_SOCKET_IFNAME=ns.root_link[0] if ns else "lo")
         scheme = scheme_of(name)

@@ -15,7 +15,7 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
 #: The sizes of ``mq bench`` (binary units), as (label, bytes).
@@ -26,7 +26,7 @@ NO_GPU = "no CUDA GPU visible"
 IPC_TIMEOUT_S = 90.0
 
 
-def guarded(fn: Callable[[], Any]) -> Any:
+def guarded(fn: Callable[..., Any]) -> Any:  # called with no argument (`...`: mypy types lambdas with defaults)
     """``fn()``, or ``{"error": "Type: text"}`` if it raised: one broken part never stops the rest."""
     try:
         return fn()
@@ -52,11 +52,11 @@ def nvml_devices() -> list[dict[str, Any]] | None:
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             dev: dict[str, Any] = {"index": i, "name": _text(pynvml.nvmlDeviceGetName(h)),
                                    "uuid": _text(pynvml.nvmlDeviceGetUUID(h))}
-            mode = guarded(lambda: pynvml.nvmlDeviceGetComputeMode(h))
+            mode = guarded(lambda h=h: pynvml.nvmlDeviceGetComputeMode(h))
             dev["compute_mode"] = COMPUTE_MODES.get(mode, str(mode)) if isinstance(mode, int) else None
-            mig = guarded(lambda: pynvml.nvmlDeviceGetMigMode(h))  # (current, pending); raises if unsupported
+            mig = guarded(lambda h=h: pynvml.nvmlDeviceGetMigMode(h))  # (current, pending); raises if unsupported
             dev["mig"] = bool(mig[0]) if isinstance(mig, (list, tuple)) else False
-            dev["memory_bytes"] = guarded(lambda: int(pynvml.nvmlDeviceGetMemoryInfo(h).total))
+            dev["memory_bytes"] = guarded(lambda h=h: int(pynvml.nvmlDeviceGetMemoryInfo(h).total))
             out.append(dev)
         return out
     finally:
@@ -163,6 +163,7 @@ def pool_open(device: int = 0, peer_device: int | None = None, timeout: float = 
         from mq.cuda_ipc import probe_two_process
     except (ImportError, AttributeError) as exc:
         return {"ok": False, "error": f"mq.cuda_ipc not available: {exc}"}
+    params: Mapping[str, Any]  # a signature's, or none
     try:
         params = inspect.signature(probe_two_process).parameters
     except (TypeError, ValueError):

@@ -54,7 +54,7 @@ def _node(form: str, node_id: int, ports: list[int], timeout: float) -> None:
             print(json.dumps(out), flush=True)
             sys.stdin.readline()  # stay until every node of the run joined (the harness says so)
             return
-    except Exception as exc:  # noqa: BLE001 - what a failed join says is the result
+    except Exception as exc:  # any: what a failed join says is the result
         out["error"] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(out), flush=True)
 
@@ -68,10 +68,12 @@ def one_run(form: str, timeout: float) -> dict[str, Any]:
     nodes = []
     try:
         for p in procs:  # each says when it joined (or why it did not), then waits for the others
+            assert p.stdout is not None  # PIPE
             ready, _, _ = select.select([p.stdout], [], [], timeout * 2 + 30)
             line = p.stdout.readline().strip() if ready else ""
             nodes.append(json.loads(line) if line else {"error": "the node process said nothing (hung, or died)"})
         for p in procs:  # every node joined, or gave up: they may leave now
+            assert p.stdin is not None  # PIPE
             with contextlib.suppress(OSError, ValueError):
                 p.stdin.write("go\n")
                 p.stdin.flush()

@@ -405,10 +405,11 @@ class Hosts:
                 _ip("addr", "add", f"{self.root_addr}/{self.prefixlen}", "dev", here)
                 _ip("link", "set", here, "up")
             if self.rate:
-                uplinks = [(name, host_if) for name, (_sw, host_if) in zip(self.names, self.links)]
+                uplinks: list[tuple[str | None, str]] = [(name, host_if) for name, (_sw, host_if)
+                                                         in zip(self.names, self.links)]
                 uplinks += [(None, self.root_link[0])] if self.root_link else []
-                for name, dev in uplinks:
-                    _tc_rate(name, dev, self.rate)
+                for ns, dev in uplinks:  # (ns: None for the root namespace; `name` is a str below)
+                    _tc_rate(ns, dev, self.rate)
             for name in self.names:
                 holder = subprocess.Popen(
                     ["ip", "netns", "exec", name, "unshare", "--pid", "--ipc", "--fork", "--mount-proc",

@@ -253,13 +253,13 @@ def _py_spy(pid: int) -> str:
     try:
         done = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
         return f"py-spy dump --pid {pid}:\n{done.stdout}{done.stderr}"
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return f"(py-spy failed: {exc})"
 
 
 def _short(obj: Any, n: int = 2000) -> str:
     text = obj.get("error") if isinstance(obj, dict) and obj.get("error") else repr(obj)
-    return text[-n:]
+    return text[-n:]  # type: ignore[index]  # the error's text, or the repr: a str
 
 
 # ------------------------------------------------------------------------------ environment
@@ -458,7 +458,7 @@ class _Matrix:
             runner: Any = (TorchRoute if route == "torchrpc" else NngRoute)(route, self.cfg, self.env)
         except RouteSkipped as exc:
             return str(exc)
-        except Exception as exc:  # noqa: BLE001 - cannot run here: one error for the route
+        except Exception as exc:  # any: cannot run here: one error for the route
             self._record({"route": route, "load": load, "run": 0, "op": "-", "kill": "-", "outcome": "error",
                           "error": f"cannot start the route: {type(exc).__name__}: {exc}",
                           "traceback": traceback.format_exc()})
@@ -477,7 +477,7 @@ class _Matrix:
         self.tail.take()
         try:
             res = runner.run(op, kill, i, rng)
-        except Exception as exc:  # noqa: BLE001 - a broken run is an error, not the end
+        except Exception as exc:  # any: a broken run is an error, not the end
             res = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         outcome = classify(res, op, res.get("vid", -1), cfg)
         res.update(route=route, load=load, run=i, op=op, kill=kill, outcome=outcome, bound_s=cfg.bound_s,

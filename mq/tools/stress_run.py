@@ -313,8 +313,8 @@ def execute(S: Any, vid: int, op: str, kill: str, topic: str, hitter: PidHitter,
     res: dict[str, Any] = {"hit": None, "seconds": None, "raised": None, "returned": None, "stack": None}
     try:
         ctx = _prepare(op, S, vid, topic, cfg)
-    except Exception as exc:  # noqa: BLE001 - a setup error, reported
-        res["error"] = f"preparing {op}: {type(exc).__name__}: {exc}"
+    except Exception as err:  # any: a setup error, reported (err: mypy wants exc for the outcome below)
+        res["error"] = f"preparing {op}: {type(err).__name__}: {err}"
         hitter.finish()
         return res
     marks, ended = _Marks(), threading.Event()
@@ -323,7 +323,7 @@ def execute(S: Any, vid: int, op: str, kill: str, topic: str, hitter: PidHitter,
     def body() -> None:
         try:
             got["value"] = _operate(op, S, vid, topic, ctx, marks, cfg)
-        except BaseException as exc:  # noqa: BLE001 - the outcome under test
+        except BaseException as exc:  # any: the outcome under test
             got["exc"] = exc
         finally:
             got["at"] = time.monotonic()

@@ -99,8 +99,9 @@ class InprocTransport(Transport):
         """Into this node's inbox; a full one makes the sender wait (through its own node's
         waits: polled, as this node wakes only its own)."""
         if len(self._inbox) >= self._inbox_size:
-            (waits or _waits.ALWAYS).until(lambda: len(self._inbox) < self._inbox_size or self._closed, time.monotonic() + timeout,
-                        peers=() if peer is None else (peer,), every=0.005, states=_waits.LIVE_OR_STOPPING,
+            (waits or _waits.ALWAYS).until(lambda: len(self._inbox) < self._inbox_size or self._closed,
+                        time.monotonic() + timeout, peers=() if peer is None else (peer,), every=0.005,
+                        states=_waits.LIVE_OR_STOPPING,
                         what=f"node did not take the message within {timeout:g}s: its queue is full")
         self._inbox.append((sender, data))
         self._waiting().wake(self)

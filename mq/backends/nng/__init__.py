@@ -33,7 +33,8 @@ BACKEND = Backend(
     routes=ROUTES,
     summary="NNG (pynng) with mq's own unix/tcp links and shared memory; any number of hosts",
     launch=NngLaunch(),
-    flags=(Flag("protocol", metavar="|".join(PROTOCOLS), check=partial(check_choice, name="protocol", choices=PROTOCOLS)),
+    flags=(Flag("protocol", metavar="|".join(PROTOCOLS),
+                check=partial(check_choice, name="protocol", choices=PROTOCOLS)),
            Flag("busy_poll", check=partial(check_bool, name="busy_poll"))),
     doctor="mq.backends.nng.doctor:section",
 )

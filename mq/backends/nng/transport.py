@@ -83,7 +83,7 @@ class NngTransport(Transport):
     def __init__(self, node_id: int, options: NngOptions, *, timeout: float = 30.0):
         self.node_id = node_id
         self.options = options
-        self.listen_to = options.listen_to
+        self.listen_to: str = options.listen_to  # type: ignore[assignment]  # a str once NngOptions checked it
         self.attach_to = list(options.attach_to)
         self.protocol = options.protocol
         auto = options.protocol == "auto"
@@ -296,8 +296,8 @@ class NngTransport(Transport):
                 box = self._dial_peer(peer, check_address(address, f"node {peer}'s address"))
             self._out[peer] = box
             self._out_incarnation[peer] = info.get("incarnation")
-            # An ACK echoes the token of our HELLO: its bootstrap socket did its job.
-            boot = self._bootstrap.pop(info.get("token"), None) if isinstance(info.get("token"), str) else None
+            boot = (self._bootstrap.pop(info.get("token"), None)  # type: ignore[arg-type]  # a str: checked below
+                    if isinstance(info.get("token"), str) else None)  # an ACK echoes our HELLO's token: done with it
         if boot is not None:
             boot.close()
 

@@ -19,7 +19,7 @@ needs to know about it is :data:`BACKEND`.
 
 from functools import partial
 
-from mq import device_map
+from mq.backends.torchrpc import device_map
 from mq.backend import Backend, Flag
 from mq.backends.torchrpc.launch import TorchRpcLaunch
 from mq.options import check_bool
@@ -35,6 +35,7 @@ BACKEND = Backend(
             "cuda moves them device to device through device maps",
     aliases={"torchrpc": "torchrpc:cpu"},
     launch=TorchRpcLaunch(),
+    one_per_process=True,
     flags=(Flag("local_cuda_devices", metavar="0,1", parse=device_map.parse_devices),
            Flag("cuda_device_map", metavar="PEER_LOCAL_PEERGPU,..."),
            Flag("busy_poll", check=partial(check_bool, name="busy_poll"))),

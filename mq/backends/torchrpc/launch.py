@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mq import device_map
+from mq.backends.torchrpc import device_map
 from mq.backend import LocalJob, Options
 from mq.platforms import PlatformPlan
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from mq import device_map
+from mq.backends.torchrpc import device_map
 from mq.backends.torchrpc.tensorpipe import check_socket_ifname, is_loopback
 from mq.errors import ConfigError
 from mq.locality import local
@@ -34,7 +34,7 @@ class TorchRpcOptions:
         init_method: ``tcp://host:port`` (node 0 hosts the store), ``env://`` (MASTER_ADDR,
             MASTER_PORT), ``file:///path`` or ``ray://GROUP`` (nodes in Ray actors).
         local_cuda_devices: logical GPU indices this node uses (``torchrpc:cuda``).
-        cuda_device_map: ``"1_0_1,2_0_2"``-style map (see :mod:`mq.device_map`); default: each
+        cuda_device_map: ``"1_0_1,2_0_2"``-style map (see :mod:`mq.backends.torchrpc.device_map`); default: each
             local GPU to the same index on every peer. Only with ``torchrpc:cuda``.
         rpc_timeout: seconds an RPC may take before the peer is declared lost; also torch's
             own join steps in ``init_rpc``. Default: ``max(60, timeout)``. Finding the other

@@ -50,7 +50,7 @@ class Inbound:
 
     def __init__(self) -> None:
         self.expect = 0
-        self.held: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.held: dict[int, tuple[str, list[torch.Tensor]]] = {}
         self.queued = 0  # in-order frames in the ready queue, not yet delivered
         self.consumed = 0
         self.reported = 0  # the consumption count the sender last heard of

@@ -14,16 +14,17 @@ TensorPipe runs incoming requests on a thread pool, so frames of one sender can 
 of order. The receiver keeps, per sender, the next expected ``seq`` and the frames that came
 early, and passes frames in send order to a ready queue, off TensorPipe's threads: a thread in
 ``recv()`` delivers from it itself, the delivery thread while nobody does (see
-:mod:`~mq.backends.torchrpc.receiver`). The op never blocks: it parks the frame and returns. Flow control is by credit: a sender may have at most ``send_window`` frames, and
+:mod:`~mq.backends.torchrpc.receiver`). The op never blocks: it parks the frame and returns.
+Flow control is by credit: a sender may have at most ``send_window`` frames, and
 ``send_window_bytes`` bytes (one frame always fits), that the receiver has not yet consumed
 (handed to its queue or handler). Credit comes back in every RPC's return value and in every
 frame the other way; a blocked sender sends a -2 frame, and the receiver answers with a -1
 credit once it has consumed half a window more, or all it had queued (batched: one control
 frame per consumed frame halved small-message throughput when the receiver was the
-bottleneck). A receiver whose queue is full stops consuming,
-so the sender's ``send`` waits up to its timeout and raises :class:`~mq.errors.Timeout` without
-having sent anything (nothing half-sent, nothing dropped). Receiver memory is bounded by
-``send_window`` frames per sender plus the queue.
+bottleneck). A receiver whose queue is full stops consuming, so the sender's ``send`` waits
+up to its timeout and raises :class:`~mq.errors.Timeout` without having sent anything
+(nothing half-sent, nothing dropped). Receiver memory is bounded by ``send_window`` frames per
+sender plus the queue.
 
 The caller may change its arrays and tensors as soon as ``send``/``publish`` returns (a learner
 publishing weights and then stepping its optimizer in place): frames whose array/tensor bytes
@@ -219,14 +220,15 @@ class TorchRpcTransport(Transport):
                      "; ".join(f"{n} ({tp['dropped'][n]})" for n in needed))
             kwargs = {"_transports": tp["_transports"], "_channels": tp["_channels"]}
         self.tp_device_maps = self._maps_for_tensorpipe(remote)
-        devices = None
+        devices: list[Any] | None = None  # (torch's list[int | str | device] takes no list[int])
         if cuda and self.local_cuda_devices and self.tp_device_maps:
             devices = list(self.local_cuda_devices)
+        assert self.init_method is not None  # _exchange_localities, before, needed it too
         opts = rpc.TensorPipeRpcBackendOptions(
             num_worker_threads=self.num_worker_threads, rpc_timeout=self.rpc_timeout,
             init_method=self.init_method, devices=devices, **kwargs)
         for peer, mapping in self.tp_device_maps.items():
-            opts.set_device_map(f"mq{peer}", dict(mapping))
+            opts.set_device_map(f"mq{peer}", dict(mapping))  # type: ignore[arg-type]  # int keys are DeviceTypes
         return opts
 
     def _maps_for_tensorpipe(self, remote: Mapping[int, Locality]) -> dict[int, dict[int, int]]:
@@ -255,7 +257,8 @@ class TorchRpcTransport(Transport):
         try:
             with warnings.catch_warnings():  # torch's own deprecated use of ProcessGroupGloo
                 warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-                rpc.init_rpc(f"mq{self.node_id}", backend=rpc.BackendType.TENSORPIPE,
+                rpc.init_rpc(f"mq{self.node_id}",
+                             backend=rpc.BackendType.TENSORPIPE,  # type: ignore[attr-defined]  # made at run time
                              rank=self.node_id, world_size=self.world_size, rpc_backend_options=opts)
         except ValueError as exc:  # torch validates device maps and devices across the group
             raise ConfigError(f"node {self.node_id}: torch RPC refused the configuration: "
@@ -278,8 +281,8 @@ class TorchRpcTransport(Transport):
         if self._rpc_started:
             # Flush: wait for frames the peers have not confirmed yet, leaving time to shut down.
             flush_until = deadline - min(1.0, timeout / 2)
-            for link in self._links.values():
-                self._waits.pause(lambda link=link: not link.pending or link.failed,
+            for link in self._links.values():  # (the ignore: mypy cannot type a lambda with a default)
+                self._waits.pause(lambda link=link: not link.pending or link.failed,  # type: ignore[misc]
                                   max(0.0, flush_until - time.monotonic()), on=(link,))
             self._let_answers_go(flush_until)
         self._closed = True
@@ -361,7 +364,8 @@ class TorchRpcTransport(Transport):
                                 states=LIVE_OR_STOPPING,
                                 what=lambda: f"node {peer} did not take the message within {timeout:g}s: "
                                              f"{link.next_seq - link.acked} frame(s) ({link.bytes} bytes) wait to be "
-                                             "consumed there (slow receiver or full queue); pass timeout= to wait longer")
+                                             "consumed there (slow receiver or full queue); "
+                                             "pass timeout= to wait longer")
         fut.add_done_callback(lambda f, link=link: self._on_reply(link, f))
         if encoded.borrowed:  # the caller waits (all peers of a publish together) before returning
             return lambda: self._wait_received(link, fut)

@@ -157,13 +157,13 @@ def request_script(sender: int, frame: str, buffers: List[torch.Tensor]) -> Tupl
 
 with warnings.catch_warnings():  # torch.jit.script is deprecated in 2.x but still what RPC runs
     warnings.simplefilter("ignore")
-    deliver_script = torch.jit.script(deliver_script)  # type: ignore[assignment]
-    request_script = torch.jit.script(request_script)  # type: ignore[assignment]
+    deliver_script = torch.jit.script(deliver_script)
+    request_script = torch.jit.script(request_script)
 
 try:  # what rpc_async ends in for a ScriptFunction
     from torch.distributed.rpc.api import _invoke_rpc_torchscript
 except ImportError:  # a torch without it: the public call
-    _invoke_rpc_torchscript = None
+    _invoke_rpc_torchscript = None  # type: ignore[assignment]  # the public call, then
 _SCRIPT_NAMES = {f: torch._jit_internal._qualified_name(f) for f in (deliver_script, request_script)}
 
 

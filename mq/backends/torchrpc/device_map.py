@@ -258,7 +258,7 @@ def _add_token(result: dict[int, dict[int, int]], by_local: dict[tuple[int, int]
     result.setdefault(peer, {})[lgpu] = rgpu
 
 
-def format(mapping: Mapping[int, Mapping[int, int]]) -> str:  # noqa: A001 - name is the API
+def format(mapping: Mapping[int, Mapping[int, int]]) -> str:  # shadows the builtin: the name is the API
     """Render ``{peer: {local_gpu: peer_gpu}}`` as the canonical spec string.
 
     Tokens are sorted by peer then local GPU, so equal maps give equal strings and
