@@ -27,7 +27,6 @@ Data-path modules never import each other: what they share is here.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import mmap
 import threading
@@ -38,6 +37,8 @@ from typing import Any, Callable, Iterable, Protocol, TypeVar, cast
 import numpy as np
 from cffi import FFI
 
+from mq.backend import import_ref
+from mq.errors import ConfigError
 from mq.waits import Mailbox, Waits
 
 T = TypeVar("T")
@@ -59,10 +60,7 @@ def register(route: str, factory: str | Callable[..., "DataPath"]) -> None:
 def path_class(route: str) -> Any:
     """The data path class registered for ``route``."""
     factory: Any = PATHS[route]
-    if isinstance(factory, str):
-        module, _, name = factory.partition(":")
-        factory = getattr(importlib.import_module(module), name)
-    return factory
+    return import_ref(factory) if isinstance(factory, str) else factory
 
 
 _ffi = FFI()
@@ -92,6 +90,21 @@ def address_of(buf: Any) -> tuple[int, int]:
         return buf.data_ptr(), buf.numel() * buf.element_size()
     mv = memoryview(buf)
     return int(_ffi.cast("uintptr_t", _ffi.from_buffer(mv))), mv.nbytes
+
+
+def on_cpu(buf: Any) -> bool:
+    """Whether a frame's buffer lies in host memory (numpy, bytes, a CPU tensor)."""
+    device = getattr(buf, "device", None)
+    return device is None or getattr(device, "type", "cpu") == "cpu"
+
+
+def as_uint8(buf: Any) -> np.ndarray:
+    """A flat uint8 numpy view of a host buffer (numpy array, CPU tensor, bytes-like): no copy."""
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    if hasattr(buf, "data_ptr"):  # a CPU torch tensor
+        return buf.reshape(-1).view(__import__("torch").uint8).numpy()
+    return np.frombuffer(buf, np.uint8)
 
 
 def tag_of(desc: Any) -> str | None:
@@ -325,6 +338,66 @@ class SlotPool:
     def peer_gone(self, peer: int) -> None:
         """A peer left or died: whatever it held is free again."""
         self._slots.peer_gone(peer)
+
+
+class SegmentPool:
+    """The shape of a pool made of segments, each holding one buffer at a time (shm's memfds,
+    the rdma path's registered regions): a buffer takes the smallest free segment of at most
+    twice its size class, else a new segment while the pool stays within ``max_bytes``, free
+    segments retiring (largest first) to make room; a full pool waits for releases through its
+    :class:`SlotTable` while the peers holding them live, then times out saying what is held.
+
+    A pool makes and drops its segments (``_new_segment``, ``_drop``, keeping ``_bytes``) and
+    says what "full" means to its user (``_full``)."""
+
+    max_bytes: int
+    closed_text = "the pool is closed (the queue stopped)"
+    _slots: SlotTable
+    _bytes: int
+    _closed: bool
+
+    def _new_segment(self, capacity: int, populate: bool = False) -> Any:
+        raise NotImplementedError
+
+    def _drop(self, seg: Any) -> None:
+        raise NotImplementedError
+
+    def _full(self, timeout: float) -> str:
+        raise NotImplementedError
+
+    def _wait_for_segment(self, nbytes: int, cap: int, timeout: float, claim: Callable[[Any], None],
+                          peers: Iterable[int], reuse: bool = True, populate: bool = False) -> Any:
+        """A segment for ``nbytes`` (size class ``cap``), waiting (without the lock: releases
+        need it) while ``peers`` live; ``claim(seg)`` runs under the lock as it is found, so
+        nobody else takes it."""
+        def fit() -> Any:
+            seg = self._fit(nbytes, cap, reuse, populate)
+            if seg is not None:
+                claim(seg)
+            return seg
+
+        return self._slots.wait_for(fit, timeout, lambda: self._full(timeout), peers)
+
+    def _fit(self, nbytes: int, cap: int, reuse: bool = True, populate: bool = False) -> Any:
+        """A free segment that fits (with ``reuse`` off: always a fresh one), a new one, or None
+        (lock held)."""
+        if self._closed:
+            raise ConfigError(self.closed_text)
+        if reuse:
+            fits = [s for s in self._slots.slots.values() if s.free and nbytes <= s.size <= 2 * cap]
+            if fits:
+                return min(fits, key=lambda s: s.size)
+        if self._bytes + cap > self.max_bytes:
+            self._retire_free(self._bytes + cap - self.max_bytes)
+        return self._new_segment(cap, populate) if self._bytes + cap <= self.max_bytes else None
+
+    def _retire_free(self, need: int) -> None:
+        """Drop free segments (largest first) until ``need`` bytes are available."""
+        for seg in sorted((s for s in self._slots.slots.values() if s.free and s.size), key=lambda s: -s.size):
+            if need <= 0:
+                return
+            need -= seg.size
+            self._drop(seg)
 
 
 # ---------------------------------------------------------------------- releases

@@ -48,7 +48,8 @@ from mq import peer_route
 from mq import rdma as _rdma
 from mq import waits as _waits
 from mq.codec import PATH
-from mq.datapath import DataPath, Slot, SlotTable, address_of, size_class, view_until_garbage
+from mq.datapath import (DataPath, SegmentPool, Slot, SlotTable, address_of, as_uint8, on_cpu, size_class,
+                         view_until_garbage)
 from mq.errors import ConfigError, MQError, PeerLeft, PeerLost, ProtocolError, Timeout
 from mq.options import check_int
 from mq.waits import Waits
@@ -94,8 +95,9 @@ class _Segment(Slot):
     registration: Any
 
 
-class RegisteredPool:
-    """Host memory registered with ``engine`` in reusable segments, at most ``max_bytes``.
+class RegisteredPool(SegmentPool):
+    """Host memory registered with ``engine`` in reusable segments, at most ``max_bytes``
+    (:class:`~mq.datapath.SegmentPool`).
 
     ``waits``: a full send pool makes ``take`` wait for releases (backpressure, then Timeout
     naming what is held); a landing pool never waits on a peer: past its bound it retires free
@@ -109,7 +111,8 @@ class RegisteredPool:
         self.waits = waits
         self.label = label
         self.stats = {"segments": 0, "registered_bytes": 0, "registrations": 0, "over_bound": 0}
-        self.slots = SlotTable(stats=self.stats, waits=node_waits)
+        self.slots = self._slots = SlotTable(stats=self.stats, waits=node_waits)
+        self.closed_text = f"the rdma {label} pool is closed (the queue stopped)"
         self.version = 0  # bumped when a segment is made or retired: peers must hear of it
         self._bytes = 0
         self._closed = False
@@ -127,29 +130,12 @@ class RegisteredPool:
                 seg = self._fit(nbytes, cap)
                 if seg is None:
                     self.stats["over_bound"] += 1
-                    seg = self._new(cap)
+                    seg = self._new_segment(cap)
                 claim(seg)
                 return seg
+        return self._wait_for_segment(nbytes, cap, timeout, claim, peers)
 
-        def fit() -> _Segment | None:
-            seg = self._fit(nbytes, cap)
-            if seg is not None:
-                claim(seg)
-            return seg
-
-        return self.slots.wait_for(fit, timeout, lambda: self._full(timeout), peers)
-
-    def _fit(self, nbytes: int, cap: int) -> _Segment | None:
-        if self._closed:
-            raise ConfigError("the rdma pool is closed (the queue stopped)")
-        fits = [s for s in self.slots.slots.values() if s.free and nbytes <= s.size <= 2 * cap]
-        if fits:
-            return min(fits, key=lambda s: s.size)  # type: ignore[return-value]
-        if self._bytes + cap > self.max_bytes:
-            self._retire_free(self._bytes + cap - self.max_bytes)
-        return self._new(cap) if self._bytes + cap <= self.max_bytes else None
-
-    def _new(self, cap: int) -> _Segment:
+    def _new_segment(self, cap: int, populate: bool = False) -> _Segment:  # (always populated)
         memory = _populated(cap)
         base = address_of(memory)[0]
         registration = self.engine.register(base, cap)
@@ -161,13 +147,6 @@ class RegisteredPool:
         self.stats["registrations"] += 1
         self.stats["registered_bytes"] = self._bytes
         return seg
-
-    def _retire_free(self, need: int) -> None:
-        for seg in sorted((s for s in self.slots.slots.values() if s.free), key=lambda s: -s.size):
-            if need <= 0:
-                return
-            need -= seg.size
-            self._drop(seg)  # type: ignore[arg-type]
 
     def _drop(self, seg: _Segment) -> None:
         self.slots.remove(seg)
@@ -496,7 +475,7 @@ class RdmaPath(DataPath):
     def takes(self, buffers: list[Any], sizes: list[int]) -> list[int]:
         if self.send_pool is None:
             return []
-        return [i for i, n in enumerate(sizes) if n >= self.inline_max and _on_cpu(buffers[i])]
+        return [i for i, n in enumerate(sizes) if n >= self.inline_max and on_cpu(buffers[i])]
 
     def ready(self, peers: list[int], buffers: list[Any], sizes: list[int], indices: list[int],
               deadline: float) -> list[int]:
@@ -572,7 +551,7 @@ class RdmaPath(DataPath):
                 pool.slots.hold(seg, peers)
 
             seg = pool.take(nbytes, max(0.0, deadline - time.monotonic()), claim, peers)
-            _copy_in_pieces(seg.memory[:nbytes], _as_uint8(buffers[i]))  # outside the lock
+            _copy_in_pieces(seg.memory[:nbytes], as_uint8(buffers[i]))  # outside the lock
             descs[i] = [TAG, seg.slot_id, seg.gen, 0, nbytes]
             self.stats["placed"] += 1
             self.stats["copied_bytes"] += nbytes
@@ -732,16 +711,3 @@ def _populated(nbytes: int) -> np.ndarray:
     the heartbeat under load. Unmapped when the last view of it is gone."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
     return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), np.uint8)
-
-
-def _on_cpu(buf: Any) -> bool:
-    device = getattr(buf, "device", None)
-    return device is None or getattr(device, "type", "cpu") == "cpu"
-
-
-def _as_uint8(buf: Any) -> np.ndarray:
-    if hasattr(buf, "data_ptr"):  # a torch tensor on the CPU
-        return buf.reshape(-1).view(__import__("torch").uint8).numpy()
-    return np.frombuffer(buf, np.uint8) if not isinstance(buf, np.ndarray) else buf.reshape(-1).view(np.uint8)
-
-

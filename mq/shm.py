@@ -59,7 +59,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 from cffi import FFI
 
-from mq.datapath import Slot, SlotPool, SlotTable, address_of as _address, size_class, view_until_garbage
+from mq.datapath import (Slot, SegmentPool, SlotPool, SlotTable, address_of as _address, as_uint8, size_class,
+                         view_until_garbage)
 from mq.errors import ConfigError, ProtocolError, Timeout
 from mq.options import check_int
 from mq.waits import Waits
@@ -125,7 +126,7 @@ class _Segment(Slot):
         _HEAD.pack_into(self.mm, 0, _MAGIC, self.gen, state, self.slot_id)
 
 
-class Pool(SlotPool):
+class Pool(SegmentPool, SlotPool):
     """This node's shared memory for the shm data path (the sender side).
 
     Args:
@@ -135,6 +136,8 @@ class Pool(SlotPool):
 
     Thread-safe: ``place``, ``release`` and ``alloc`` may be called from any thread.
     """
+
+    closed_text = "the shared-memory pool is closed (the queue stopped)"
 
     def __init__(self, max_bytes: int = DEFAULT_POOL_BYTES, inline_max: int = DEFAULT_INLINE_MAX,
                  label: str = "", waits: Waits | None = None):
@@ -203,7 +206,7 @@ class Pool(SlotPool):
         seg = self._take(nbytes, timeout, claim=claim, peers=holders)
         # Copy outside the lock: other senders may place meanwhile.
         dst = np.frombuffer(seg.mm, np.uint8, nbytes, _HEADER)
-        np.copyto(dst, _as_uint8(buf))
+        np.copyto(dst, as_uint8(buf))
         self.stats["placed"] += 1
         self.stats["copied_bytes"] += nbytes
         return [seg.seg_id, seg.fd, seg.gen, 0, nbytes]
@@ -216,9 +219,8 @@ class Pool(SlotPool):
 
     def _take(self, nbytes: int, timeout: float, reuse: bool = True, populate: bool = False,
               claim: Callable[[_Segment], None] = lambda _seg: None, peers: Iterable[int] = ()) -> _Segment:
-        """A free segment that fits (best fit; with ``reuse`` off always a fresh one), a new
-        one, or wait (without the lock: releases need it) while ``peers`` live; ``claim(seg)``
-        runs under the lock as the segment is found, so nobody else takes it.
+        """A segment for ``nbytes`` (:class:`~mq.datapath.SegmentPool`: best fit; with
+        ``reuse`` off always a fresh one), waiting while ``peers`` live.
 
         Every segment counts against the bound, alloc()'s too: readers refuse to map more of
         this pool than its announced bound."""
@@ -226,27 +228,11 @@ class Pool(SlotPool):
         if cap > self.max_bytes:
             raise ConfigError(f"a {nbytes}-byte buffer does not fit the shared-memory pool "
                               f"({self.max_bytes} bytes): raise shm_pool_bytes")
+        return self._wait_for_segment(nbytes, cap, timeout, claim, peers, reuse, populate)
 
-        def fit() -> _Segment | None:
-            seg = self._fit(nbytes, cap, reuse, populate)
-            if seg is not None:
-                claim(seg)
-            return seg
-
-        return self._slots.wait_for(fit, timeout, lambda: self._full(timeout), peers)
-
-    def _fit(self, nbytes: int, cap: int, reuse: bool, populate: bool) -> _Segment | None:
-        self._collect_lent()
-        if self._closed:
-            raise ConfigError("the shared-memory pool is closed (the queue stopped)")
-        fits = [s for s in self._segments.values() if reuse and s.free and nbytes <= s.capacity <= 2 * cap]
-        if fits:
-            return min(fits, key=lambda s: s.capacity)
-        if self._bytes + cap > self.max_bytes:
-            self._retire_free(self._bytes + cap - self.max_bytes)
-        if self._bytes + cap <= self.max_bytes:
-            return self._new_segment(cap, populate)
-        return None
+    def _fit(self, nbytes: int, cap: int, reuse: bool = True, populate: bool = False) -> _Segment | None:
+        self._collect_lent()  # lent segments whose views are gone are free again
+        return super()._fit(nbytes, cap, reuse, populate)
 
     def _full(self, timeout: float) -> str:
         held = sum(s.capacity for s in self._segments.values() if not s.free)
@@ -272,15 +258,6 @@ class Pool(SlotPool):
         self._bytes += capacity
         self.stats["segments"] += 1
         return seg
-
-    def _retire_free(self, need: int) -> None:
-        """Close free segments (largest first) until ``need`` bytes are available."""
-        for seg in sorted((s for s in self._segments.values() if s.free and s.capacity),
-                          key=lambda s: -s.capacity):
-            if need <= 0:
-                return
-            need -= seg.capacity
-            self._drop(seg)
 
     def _drop(self, seg: _Segment) -> None:
         # Readers still mapping it see RETIRED and unmap it once their views are gone.
@@ -407,14 +384,6 @@ def _writable_again(seg: Any) -> None:
     """Every receiver released an alloc() buffer: the sender's numpy view is its own again."""
     if seg.user_view is not None:
         seg.user_view.flags.writeable = True
-
-
-def _as_uint8(buf: Any) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        return buf.reshape(-1).view(np.uint8)
-    if hasattr(buf, "data_ptr"):  # a CPU torch tensor
-        return buf.reshape(-1).view(__import__("torch").uint8).numpy()
-    return np.frombuffer(buf, np.uint8)
 
 
 def _torch_dtype(dtype: Any) -> Any:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from mq import shm as _shm
-from mq.datapath import DataPath, ReleaseQueue
+from mq.datapath import DataPath, ReleaseQueue, on_cpu
 from mq.errors import ConfigError, ProtocolError
 
 log = logging.getLogger("mq")
@@ -96,7 +96,7 @@ class ShmPath(DataPath):
         pool = self.pool
         if pool is None:
             return []
-        return [i for i, n in enumerate(sizes) if pool.wants(n) and _on_cpu(buffers[i])]
+        return [i for i, n in enumerate(sizes) if pool.wants(n) and on_cpu(buffers[i])]
 
     def ready(self, peers: list[int], buffers: list[Any], sizes: list[int], indices: list[int],
               deadline: float) -> list[int]:
@@ -146,8 +146,3 @@ class ShmPath(DataPath):
             reader.close()
         if self.pool is not None:
             self.pool.close()
-
-
-def _on_cpu(buf: Any) -> bool:
-    device = getattr(buf, "device", None)
-    return device is None or getattr(device, "type", "cpu") == "cpu"
