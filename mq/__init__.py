@@ -8,10 +8,10 @@ One message-queue interface (:class:`MQ`) over two backends, NNG (``nng``) and t
 """
 
 from mq.channels import LatestWins, Version
-from mq.core import MQ
-from mq.message import Message
-from mq.peers import Peer
-from mq.stats import Stats
+from mq.node.core import MQ
+from mq.node.message import Message
+from mq.node.peers import Peer
+from mq.node.stats import Stats
 from mq.errors import (
     ClosedError,
     ConfigError,

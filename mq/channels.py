@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from mq.message import Message
+from mq.node.message import Message
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
 
 log = logging.getLogger("mq.channels")

@@ -33,14 +33,14 @@ class EncodeError(MQError, TypeError):
 
 class ProtocolError(MQError):
     """A peer sent something that breaks the wire protocol. ``cause`` names the counter a
-    dropped frame goes under (:class:`mq.stats.Stats`)."""
+    dropped frame goes under (:class:`mq.node.stats.Stats`)."""
 
     cause = "malformed"
 
 
 class Oversized(ProtocolError):
     """A frame larger than the receiver accepts (``max_frame_bytes``; before the handshake,
-    :data:`mq.handshake.MAX_FRAME`)."""
+    :data:`mq.wire.handshake.MAX_FRAME`)."""
 
     cause = "oversized"
 

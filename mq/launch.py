@@ -41,7 +41,7 @@ import traceback
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from mq import waits
+from mq.node import waits
 from mq import platforms
 from mq.backend import Backend, LaunchProfile, LocalJob
 from mq.errors import ConfigError, MQError, Timeout
@@ -507,9 +507,10 @@ def _pass_job_secret(plan: Plan) -> None:
 
 def run_plan(plan: Plan, *, deadline_s: float | None = None) -> None:
     """Start the plan's workers and supervise them; ``deadline_s`` bounds the whole job."""
-    from mq import forksafe, locality
+    from mq import locality
 
     # Set before any worker (and any verbs library in it) starts: spawn copies the environment.
+    from mq.datapaths.rdma import forksafe
     os.environ.update({k: v for k, v in forksafe.fork_safe_env(os.environ, locality.local()).items()
                        if k in forksafe.FORK_SAFE_ENV})
     _pass_job_secret(plan)

@@ -22,9 +22,9 @@ from typing import Any, Iterator, Mapping
 
 import mq.backends
 from mq.backend import Backend, LaunchProfile
-from mq.core import MQ
+from mq.node.core import MQ
 from mq.errors import ConfigError
-from mq.node_options import DEFAULT_TIMEOUT_S, NodeOptions
+from mq.node.node_options import DEFAULT_TIMEOUT_S, NodeOptions
 
 __all__ = ["CORE_OPTIONS", "ENTRY_POINT_GROUP", "MQ_TYPES", "backend_class", "backend_for", "backends",
            "check_mq_type", "create", "launchable_mq_types", "profile_for", "route_options",
@@ -36,7 +36,7 @@ log = logging.getLogger("mq")
 #: ``name = "package:BACKEND"``); the built-in ones are the packages of :mod:`mq.backends`.
 ENTRY_POINT_GROUP = "mq.backends"
 
-#: Options MQ itself takes: the node's own (:class:`~mq.node_options.NodeOptions`) and its codec.
+#: Options MQ itself takes: the node's own (:class:`~mq.node.node_options.NodeOptions`) and its codec.
 CORE_OPTIONS: frozenset[str] = NodeOptions.names() | {"codec"}
 
 _lock = threading.Lock()

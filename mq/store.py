@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from mq import waits
+from mq.node import waits
 from mq.errors import ProtocolError, Timeout
 
 log = logging.getLogger("mq.store")

@@ -30,9 +30,9 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from mq import tensordicts
+from mq.wire import tensordicts
 from mq.channels import check_name, nbytes_of
-from mq.message import Message
+from mq.node.message import Message
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, StreamError, Timeout
 
 log = logging.getLogger("mq.stream")

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from mq import waits
+from mq.node import waits
 
 __all__ = ["die_with_parent", "stop_processes", "stop_signals_raise"]
 

@@ -1,16 +1,16 @@
 """The transport interface: what a backend must do, and nothing more.
 
-A transport moves frames (:class:`mq.codec.Frame`) between this node and its peers. It knows
+A transport moves frames (:class:`mq.wire.codec.Frame`) between this node and its peers. It knows
 nothing about topics, calls, subscriptions, handshakes or shared memory: the node ("core":
-:class:`mq.core.MQ` and its parts) owns all of that and holds one transport. Data paths
-(:mod:`mq.shm`) ride inside frames as descriptors, so every transport carries them.
+:class:`mq.node.core.MQ` and its parts) owns all of that and holds one transport. Data paths
+(:mod:`mq.datapaths.shm.pool`) ride inside frames as descriptors, so every transport carries them.
 
 Contract (every method may be called from any thread unless it says otherwise):
 
 ``start(node) -> targets``
     Listen, fill ``addresses``, and return the targets to greet (``greet``) to join the job:
     addresses for NNG, ranks for torch RPC. ``node`` receives events (:class:`Events`): the
-    node's :class:`mq.dispatch.Dispatch`, not the user's ``MQ``.
+    node's :class:`mq.node.dispatch.Dispatch`, not the user's ``MQ``.
 ``greet(target, frame, token)``
     Send a HELLO frame to a target whose node id is not known yet. Best effort and
     non-blocking: the answer comes back as a frame whose HELLO_ACK payload echoes ``token``
@@ -53,18 +53,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Protocol
 
-from mq.codec import Frame
+from mq.wire.codec import Frame
 from mq.routing import Route
 
 Receipt = Callable[[], object]  # waits until the peer has the frame; what it returns is ignored
 
 
 class Events(Protocol):
-    """What a transport reports to its node (:class:`mq.dispatch.Dispatch` implements it)."""
+    """What a transport reports to its node (:class:`mq.node.dispatch.Dispatch` implements it)."""
 
     max_frame_bytes: int
     secret: Any  # the job's mq.auth.Secret (None when insecure): sign what strangers could write
-    #: the node's :class:`mq.waits.Waits`: a transport blocks only through it (a full link, no
+    #: the node's :class:`mq.node.waits.Waits`: a transport blocks only through it (a full link, no
     #: credit, the reader token), so its waits end when their peer is lost or the node stops
     waits: Any
 
@@ -72,12 +72,12 @@ class Events(Protocol):
         """Whether ``link`` (a hashable key naming a connection: an NNG pipe, a unix or tcp
         link, an RPC rank) passed the handshake. Only then may the transport parse its frames
         (``split``) and hand them to ``on_frame``; before, every frame goes whole to
-        ``on_handshake``, and a link reader allocates at most :data:`mq.handshake.MAX_FRAME`
+        ``on_handshake``, and a link reader allocates at most :data:`mq.wire.handshake.MAX_FRAME`
         bytes for one."""
 
     def on_handshake(self, frame: Any, link: Any) -> bool:
         """A frame (bytes-like, the contiguous layout, unparsed) from a link that ``trusts``
-        does not. Only :func:`mq.handshake.parse` reads it. False: refused and counted; the
+        does not. Only :func:`mq.wire.handshake.parse` reads it. False: refused and counted; the
         transport closes the link if it can. Same threads as ``on_frame``."""
 
     def on_frame(self, header: Any, buffers: list[Any], link: Any) -> None:
@@ -97,8 +97,8 @@ class Events(Protocol):
 
     def on_begun(self, frame: Any, watch: Callable[[], Any], link: Any) -> None:
         """A large frame began arriving on a trusted ``link``: ``frame`` is its whole buffer,
-        filled only past the header so far, and ``watch()`` its :class:`mq.cut_through.Arrival`,
-        to follow the rest (:mod:`mq.cut_through`). Nothing is decoded for good here: the frame
+        filled only past the header so far, and ``watch()`` its :class:`mq.fanout.cut_through.Arrival`,
+        to follow the rest (:mod:`mq.fanout.cut_through`). Nothing is decoded for good here: the frame
         comes to ``on_frame`` once whole. Same threads as ``on_frame``; must not block. Only
         transports whose links read frames in pieces call it."""
 
@@ -164,7 +164,7 @@ class Transport:
         return {}
 
     def streams_to(self, peer: int) -> bool:
-        """Whether ``send`` to ``peer`` can take a :class:`mq.cut_through.ArrivingFrame` (a frame
+        """Whether ``send`` to ``peer`` can take a :class:`mq.fanout.cut_through.ArrivingFrame` (a frame
         whose body still arrives): its link sends in pieces and waits for each."""
         return False
 

@@ -14,7 +14,7 @@ import pynng
 
 from mq.backends.nng.links import tcp as tcplink
 from mq.backends.nng.links import unix as unixlink
-from mq.codec import Codec
+from mq.wire.codec import Codec
 
 #: A node's listening surfaces, by the key of its address in ``q.addresses``.
 SURFACES = ("tcp", "ipc", "unix", "tcplink")

@@ -18,8 +18,8 @@ import msgpack
 import pytest
 
 import mq
-from mq import handshake
-from mq.codec import HELLO, HELLO_ACK, MSG, VERSION, Codec, Frame
+from mq.wire import handshake
+from mq.wire.codec import HELLO, HELLO_ACK, MSG, VERSION, Codec, Frame
 from mq.testing import wait_until
 from tests.strangers import SURFACES, closed_by_node, raw_frame, send_as_strangers, stranger
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from mq.codec import MSG, VERSION, Codec
+from mq.wire.codec import MSG, VERSION, Codec
 from mq.errors import EncodeError, ProtocolError
 from mq.testing import _same, sample_payload
 
@@ -208,7 +208,7 @@ def test_a_remembered_tree_still_checks_its_buffer():
     good = c.encode(MSG, "t", 1, 1, 0, torch.arange(16, dtype=torch.float32).reshape(4, 4)).to_bytes()
     for _ in range(2):  # the second decode takes the table
         assert torch.equal(c.decode_frame(good).payload, torch.arange(16, dtype=torch.float32).reshape(4, 4))
-    from mq.codec import split
+    from mq.wire.codec import split
     head, buffers = split(good)
     for wrong in (buffers[0][:-4], bytes(buffers[0]) + b"\0\0\0\0"):
         head[7] = [len(wrong)]
@@ -264,7 +264,7 @@ def _batch(*frames: bytes) -> bytearray:
 
 
 def test_a_batch_splits_into_its_frames_in_order():
-    from mq.codec import split_batch
+    from mq.wire.codec import split_batch
     c = Codec()
     payloads = [{"i": 0, "x": np.arange(5)}, "no buffers", torch.ones(3), {"i": 3, "x": np.zeros(0)}]
     frames = [c.encode(MSG, "t", 1, i, 0, p).to_bytes() for i, p in enumerate(payloads)]
@@ -276,7 +276,7 @@ def test_a_batch_splits_into_its_frames_in_order():
 
 
 def test_a_malformed_frame_in_a_batch_stops_there_after_the_good_ones():
-    from mq.codec import split_batch
+    from mq.wire.codec import split_batch
     c = Codec()
     good = c.encode(MSG, "t", 1, 0, 0, np.arange(4)).to_bytes()
     frames = split_batch(_batch(good, good, b"\xff" * 10))
@@ -308,7 +308,7 @@ def test_a_large_receive_buffer_is_not_written_before_the_frame_lands():
     large buffer for a frame to be received into must map its pages only as bytes land."""
     import resource
 
-    from mq.codec import empty_buffer
+    from mq.wire.codec import empty_buffer
 
     size = 64 << 20
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import mq
-from mq.codec import GPU_POOL, MSG
+from mq.wire.codec import GPU_POOL, MSG
 from mq.testing import read_line, stop_processes, wait_until
 
 torch = pytest.importorskip("torch")

@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 
 import mq
-from mq import cuda_ipc
-from mq.codec import GPU_POOL, MSG
-from mq.cuda_ipc import EVENTS, HANDLE_BYTES, PeerPools, check_pool_info
+from mq.datapaths.nvlink import cuda_ipc
+from mq.wire.codec import GPU_POOL, MSG
+from mq.datapaths.nvlink.cuda_ipc import EVENTS, HANDLE_BYTES, PeerPools, check_pool_info
 from mq.errors import ProtocolError
-from mq.gpu_path import GpuPath
-from mq.lifecycle import Lifecycle
-from mq.peers import Peer, PeerTable
+from mq.datapaths.nvlink.path import GpuPath
+from mq.node.lifecycle import Lifecycle
+from mq.node.peers import Peer, PeerTable
 from mq.routing import Route
-from mq.datapath import ReleaseQueue
+from mq.datapaths.base import ReleaseQueue
 from mq.testing import wait_until
 
 pytestmark = pytest.mark.timeout(60)

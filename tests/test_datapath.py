@@ -1,4 +1,4 @@
-"""What every data path shares (mq.datapath), on any machine: the slot table (first-fit
+"""What every data path shares (mq.datapaths.base), on any machine: the slot table (first-fit
 placement in one region, as the CUDA pool uses it; slots added by the pool, as shm's segments
 are), holders counted per peer, stale and forged releases, backpressure and wait_released; and
 that each registered path implements the one interface on that one table."""
@@ -12,8 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mq import cuda_ipc, datapath, shm
-from mq.datapath import ANY_GEN, DataPath, Slot, SlotTable, path_class, tag_of
+from mq.datapaths.nvlink import cuda_ipc
+
+from mq.datapaths import base as datapath
+
+from mq.datapaths.shm import pool as shm
+from mq.datapaths.base import ANY_GEN, DataPath, Slot, SlotTable, path_class, tag_of
 from mq.errors import Timeout
 
 pytestmark = pytest.mark.timeout(60)
@@ -217,7 +221,7 @@ class _Path(DataPath):
 
 
 def _sender_with(cpu: _Path, gpu: _Path, peers: dict) -> Any:
-    from mq.sender import Sender
+    from mq.node.sender import Sender
 
     s = object.__new__(Sender)  # only what choosing the data paths reads
     s._peer_get = peers.get
@@ -229,7 +233,7 @@ def _sender_with(cpu: _Path, gpu: _Path, peers: dict) -> Any:
 def test_the_sender_asks_each_peers_chosen_path_one_copy_per_path():
     from types import SimpleNamespace as NS
 
-    from mq.sender import _Held
+    from mq.node.sender import _Held
 
     cpu, gpu = _Path("shm", "cpu", None), _Path("nvlink", "cuda", "cuda", not_ready=(2,))
     route = lambda g: NS(gpu=g)  # noqa: E731
@@ -254,7 +258,7 @@ def test_the_sender_asks_each_peers_chosen_path_one_copy_per_path():
 def test_a_failed_place_gives_back_what_the_frame_held_on_every_path():
     from types import SimpleNamespace as NS
 
-    from mq.sender import _Held
+    from mq.node.sender import _Held
 
     class _Full(_Path):
         def place(self, peers, buffers, indices, deadline, descs=None):

@@ -152,7 +152,7 @@ def test_relative_links_and_named_paths_exist(page):
         path = target.split("#", 1)[0]
         if path and not (page.parent / path).exists():
             missing.append(f"link {target}")
-    for span in spans:  # `mq/fanout.py`, `bench-results/`: paths of this repository
+    for span in spans:  # `mq/fanout/relays.py`, `bench-results/`: paths of this repository
         if _REPO_PATH.match(span) and not (ROOT / span).exists():
             missing.append(f"path `{span}`")
     assert not missing, f"{page.relative_to(ROOT)} names what does not exist: {missing}"
@@ -166,6 +166,9 @@ def test_the_layout_table_names_every_module_of_mq():
     named = set(re.findall(r"`(mq/[A-Za-z0-9_/]+(?:\.py)?)`", table))
     here = {f"mq/{p.name}" for p in (ROOT / "mq").glob("*.py")}
     here |= {f"mq/{p.name}/" for p in (ROOT / "mq").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    for package in ("node", "wire", "datapaths", "fanout"):  # the library's own layers: every module
+        here |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "mq" / package).rglob("*.py")
+                 if p.name != "__init__.py"}
     missing = sorted(m for m in here if m not in named and m.rstrip("/") not in named)
     assert not missing, f"docs/index.md's layout table lacks {missing}: add a row (or a name to a row)"
 

@@ -1,4 +1,4 @@
-"""Fan-out across hosts (mq.fanout): real processes on network-namespace hosts.
+"""Fan-out across hosts (mq.fanout.relays): real processes on network-namespace hosts.
 
 The publisher is this process, on this host; subscribers run two per namespace host
 (mq.tools.netns.Hosts: own network, PID and IPC namespaces per host, one bridge).
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import mq
-from mq import fanout
-from mq.fanout import tree_plan
+from mq.fanout import relays as fanout
+from mq.fanout.relays import tree_plan
 from mq.testing import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -221,7 +221,7 @@ def test_a_relay_sends_on_to_the_next_host_while_the_message_still_arrives(chain
     for i in range(1, 4):
         assert chain.got[i] == want, (i, chain.got[i])
     assert q.stats().relay["relayed"] == 3 and q.stats().relay["forwarded"] == 3
-    # Nodes 1 and 2 sent each message on to the next host from its header on (mq.cut_through).
+    # Nodes 1 and 2 sent each message on to the next host from its header on (mq.fanout.cut_through).
     for relay in (1, 2):
         st = q.call(relay, "relay_stats", timeout=10)
         assert st["streamed"] == 3 and st["forwarded"] == 3, (relay, st)

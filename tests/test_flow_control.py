@@ -1,4 +1,4 @@
-"""Flow control's bookkeeping (mq.peers.Peer: tx, acked, rx, rx_told), where a receipt races
+"""Flow control's bookkeeping (mq.node.peers.Peer: tx, acked, rx, rx_told), where a receipt races
 the send it confirms. The transports here hand frames over in the caller's thread (as
 mq.tools.hotpath does), so the race is made to happen every time; the backends' own tests
 (conformance: backpressure, stop) run the same code over real sockets."""
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import mq
-from mq.codec import MSG, PING
+from mq.wire.codec import MSG, PING
 from mq.tools.hotpath import CaptureTransport
 
 pytestmark = pytest.mark.timeout(60)

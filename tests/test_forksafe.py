@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import mq.forksafe as fs
+import mq.datapaths.rdma.forksafe as fs
 from mq.locality import Locality, read_rdma_devices
 
 pytestmark = pytest.mark.timeout(30)
@@ -71,7 +71,7 @@ _FORK_SCRIPT = textwrap.dedent(
     """
     import logging, os, sys
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
-    import mq.forksafe as fs
+    import mq.datapaths.rdma.forksafe as fs
 
     def fork_and_wait():
         pid = os.fork()

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mq
-from mq.codec import HELLO, HELLO_ACK, LINK, VERSION, Codec, Frame
+from mq.wire.codec import HELLO, HELLO_ACK, LINK, VERSION, Codec, Frame
 from mq.errors import ProtocolError
 from tests.fuzz import NAMES, targets
 from tests.fuzz.run import hypothesis_inputs, read_corpus

@@ -82,7 +82,7 @@ def test_runtime_seeds_of_the_rdma_target():
 # a fresh process, whose peak RSS (VmHWM) is not already raised by the tests before.
 BIG_HEADER = """
 import msgpack, struct
-from mq.codec import MSG, VERSION, Codec, split_batch
+from mq.wire.codec import MSG, VERSION, Codec, split_batch
 from mq.errors import ProtocolError
 
 def peak_mb():

@@ -188,12 +188,12 @@ def test_gpu_probe_renders_every_part_and_its_failures():
 def test_pool_open_without_the_cuda_ipc_hook(monkeypatch):
     from mq.tools import gpu_probe
 
-    monkeypatch.setitem(sys.modules, "mq.cuda_ipc", types.ModuleType("mq.cuda_ipc"))
+    monkeypatch.setitem(sys.modules, "mq.datapaths.nvlink.cuda_ipc", types.ModuleType("mq.datapaths.nvlink.cuda_ipc"))
     r = gpu_probe.pool_open(0)
-    assert r["ok"] is False and r["error"].startswith("mq.cuda_ipc not available")
-    hook = types.ModuleType("mq.cuda_ipc")
+    assert r["ok"] is False and r["error"].startswith("mq.datapaths.nvlink.cuda_ipc not available")
+    hook = types.ModuleType("mq.datapaths.nvlink.cuda_ipc")
     hook.probe_two_process = lambda device=0: {"ok": True, "error": None, "first_open_ms": 1.0}
-    monkeypatch.setitem(sys.modules, "mq.cuda_ipc", hook)
+    monkeypatch.setitem(sys.modules, "mq.datapaths.nvlink.cuda_ipc", hook)
     assert gpu_probe.pool_open(0)["ok"] is True
     assert "takes one device" in gpu_probe.pool_open(0, peer_device=1)["error"]
 

@@ -25,7 +25,7 @@ import pytest
 
 import mq
 from mq.backends.inproc import transport as inproc
-from mq.codec import MSG, Codec
+from mq.wire.codec import MSG, Codec
 from mq.testing import wait_until
 from tests.jobs.hostile_peer import (CONNECT, SURFACES, exchange, framed, malformed_frames, mutated,
                                      refused, seeds)

@@ -92,7 +92,7 @@ def test_no_import_cycle_among_mq_modules():
 def test_tools_and_fanout_use_only_the_public_api_of_a_queue():
     """No ``q._x`` / ``node._x`` / ``self.q._x`` reach into an MQ from the tools or the fan-out."""
     offenders = []
-    files = sorted((ROOT / "mq" / "tools").rglob("*.py")) + [ROOT / "mq" / "fanout.py"]
+    files = sorted((ROOT / "mq" / "tools").rglob("*.py")) + [ROOT / "mq" / "fanout" / "relays.py"]
     files += sorted((ROOT / "mq" / "cli").rglob("*.py"))
     reach = re.compile(r"\b(?:q|node|mq_|queue_|learner|self\.q|self\._q|self\.node|self\._node|g\.q)\._[a-z]\w*")
     for path in files:
@@ -153,11 +153,11 @@ def test_a_backend_is_imported_only_from_its_own_folder_and_the_cli():
 
 
 def test_a_peer_route_is_written_only_by_its_owner():
-    # mq/peer_route.py decides a peer's route and every change to it (keeping the reason);
+    # mq/node/peer_route.py decides a peer's route and every change to it (keeping the reason);
     # everyone else reads Peer.route. Peer(...) in the join takes the owner's choice.
     offenders = []
     for path, tree in _sources("mq").items():
-        if path == "mq/peer_route.py":
+        if path == "mq/node/peer_route.py":
             continue
         for node in ast.walk(tree):
             targets = node.targets if isinstance(node, ast.Assign) else \
@@ -170,9 +170,9 @@ def test_a_peer_route_is_written_only_by_its_owner():
 
 def test_data_paths_do_not_import_each_other():
     """Issue 37: a data path is a module (and the memory module only it uses) plus a line in
-    ``mq.datapath.PATHS``; what the paths share lives in ``mq.datapath``, which imports none of
+    ``mq.datapaths.base.PATHS``; what the paths share lives in ``mq.datapaths.base``, which imports none of
     them. So no path's modules import another path's."""
-    from mq.datapath import PATHS
+    from mq.datapaths.base import PATHS
 
     sources = _sources("mq")
     modules = {_module_name(p) for p in sources}
@@ -180,22 +180,22 @@ def test_data_paths_do_not_import_each_other():
     families = {}
     for route, factory in PATHS.items():
         module = factory.partition(":")[0] if isinstance(factory, str) else factory.__module__
-        # the path's module, and the memory modules it builds on (those that import mq.datapath)
-        families[route] = {module} | {m for m in graph[module] if "mq.datapath" in graph[m]}
+        # the path's module, and the memory modules it builds on (those that import mq.datapaths.base)
+        families[route] = {module} | {m for m in graph[module] if "mq.datapaths.base" in graph[m]}
     assert len(families) >= 2 and all(len(f) >= 1 for f in families.values())
     crossing = [f"{a} ({ra}) imports {b} ({rb})"
                 for ra, fa in families.items() for rb, fb in families.items() if ra != rb
                 for a in sorted(fa) for b in sorted(graph[a] & fb)]
     assert not crossing, "data paths import each other:\n" + "\n".join(crossing)
-    shared = sorted(graph["mq.datapath"] & set().union(*families.values()))
-    assert not shared, f"mq.datapath (what the paths share) imports a path: {shared}"
-    assert families["shm"] >= {"mq.shm_path", "mq.shm"} and families["nvlink"] >= {"mq.gpu_path", "mq.cuda_ipc"}
+    shared = sorted(graph["mq.datapaths.base"] & set().union(*families.values()))
+    assert not shared, f"mq.datapaths.base (what the paths share) imports a path: {shared}"
+    assert families["shm"] >= {"mq.datapaths.shm.path", "mq.datapaths.shm.pool"} and families["nvlink"] >= {"mq.datapaths.nvlink.path", "mq.datapaths.nvlink.cuda_ipc"}
 
 
 # ---------------------------------------------------------------------- one way to wait (issue 45)
 #: Where code may block on a lock, condition, event or queue: the one waiting module. Tools
 #: (bench, load, netns), and the test kits mq ships for users' own tests, are not the library.
-WAITING_MODULE = "mq/waits.py"
+WAITING_MODULE = "mq/node/waits.py"
 NOT_THE_LIBRARY = ("mq/tools/", "mq/cli/", "mq/testing.py", "mq/conformance.py")  # commands and tools, not a queue
 #: Primitives a thread can block on: made only in the waiting module (a lock for a short
 #: critical section, ``with lock:``, is fine anywhere; waiting on one is not).
@@ -205,12 +205,12 @@ _PRIMITIVES = {"Condition", "Event", "Semaphore", "BoundedSemaphore", "Barrier",
 
 def blocking_outside_waits(source: str) -> list[str]:
     """What in ``source`` blocks, or makes something to block on, other than through
-    :mod:`mq.waits`: a condition, event, semaphore or queue made here; a lock acquired in any way
+    :mod:`mq.node.waits`: a condition, event, semaphore or queue made here; a lock acquired in any way
     but a non-blocking try; a sleep; a thread, process or future waited for."""
     found = []
     tree = ast.parse(source)
     waits = {"waits"} | {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                         and node.module == "mq" for a in node.names if a.name == "waits"}
+                         and node.module in ("mq", "mq.node") for a in node.names if a.name == "waits"}
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
@@ -218,7 +218,7 @@ def blocking_outside_waits(source: str) -> list[str]:
         name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
         receiver = func.value if isinstance(func, ast.Attribute) else None
         if isinstance(receiver, ast.Name) and receiver.id in waits:
-            continue  # mq.waits' own helpers
+            continue  # mq.node.waits' own helpers
         if receiver is not None and ast.unparse(receiver).endswith("cuda"):
             continue  # a CUDA event orders GPU work; no thread waits on it here
         if name in _PRIMITIVES and name != "Timer":
@@ -240,7 +240,7 @@ def blocking_outside_waits(source: str) -> list[str]:
 
 
 def test_code_in_mq_blocks_only_through_the_waiting_module():
-    """Issue 45: every blocking operation goes through mq.waits, which ends it on a lost peer,
+    """Issue 45: every blocking operation goes through mq.node.waits, which ends it on a lost peer,
     a stop or its deadline, and looks again at a bounded interval. Anything that blocks
     elsewhere could miss the wake-up that ends it (a dead peer's, a stop's)."""
     offenders = []
@@ -249,7 +249,7 @@ def test_code_in_mq_blocks_only_through_the_waiting_module():
         if rel == WAITING_MODULE or rel.startswith(NOT_THE_LIBRARY):
             continue
         offenders += [f"{rel}:{hit}" for hit in blocking_outside_waits(path.read_text())]
-    assert not offenders, "blocks outside mq/waits.py (use mq.waits):\n" + "\n".join(offenders)
+    assert not offenders, "blocks outside mq/node/waits.py (use mq.node.waits):\n" + "\n".join(offenders)
 
 
 @pytest.mark.parametrize("snippet", [

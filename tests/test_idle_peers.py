@@ -1,4 +1,4 @@
-"""Idle peers cost nothing, and a wait on one still ends when it dies (issue 49, mq.liveness).
+"""Idle peers cost nothing, and a wait on one still ends when it dies (issue 49, mq.node.liveness).
 
 A pair of nodes that trade no data or calls for ``idle_after`` (three peer timeouts) stops
 probing each other: a mesh of N idle nodes would otherwise ping N*(N-1) times a heartbeat.
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import mq
-from mq.liveness import IDLE_AFTER_TIMEOUTS, IDLE_TICK_S
+from mq.node.liveness import IDLE_AFTER_TIMEOUTS, IDLE_TICK_S
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 import mq
-from mq import handshake
+from mq.wire import handshake
 from mq.auth import nonce, resolve_secret
-from mq.codec import HELLO, HELLO_ACK, LINK, Codec
+from mq.wire.codec import HELLO, HELLO_ACK, LINK, Codec
 from mq.locality import local
 from mq.registry import backend_class
 from mq.testing import wait_until
@@ -189,7 +189,7 @@ def test_a_join_whose_answer_comes_after_the_next_greeting_completes():
     import subprocess
     import sys
 
-    from mq import join
+    from mq.node import join
 
     delay = join.REGREET_S + 1.5
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -23,8 +23,8 @@ import mq
 from mq.backends.nng.links import tcp as tcplink
 from mq.backends.nng.links import unix as unixlink
 from mq.backends.nng.links.base import Sender
-from mq.codec import MSG, RELAY, Codec, split
-from mq.cut_through import AHEAD, AHEAD_MIN, Arrival
+from mq.wire.codec import MSG, RELAY, Codec, split
+from mq.fanout.cut_through import AHEAD, AHEAD_MIN, Arrival
 from mq.errors import ProtocolError
 from mq.testing import wait_until
 
@@ -217,7 +217,7 @@ def test_a_relayed_frame_lands_in_the_pool_the_link_lends_and_reads_as_shared(tc
     """A RELAY frame (its BEGIN flagged SHARED) lands in what ``lend`` gives, the node's shm
     pool, so the relay passes it on to its host by handle; other frames, and a SHARED one the
     pool has no room for, land in the link's own buffers."""
-    from mq.shm import Pool
+    from mq.datapaths.shm.pool import Pool
 
     out, inbound, _ = tcp_pair
     pool = Pool(max_bytes=16 << 20)
@@ -415,7 +415,7 @@ def test_a_link_that_has_not_authenticated_gets_no_room_for_a_large_frame(kind):
     """Before the handshake a reader allocates at most handshake.MAX_FRAME bytes for a frame:
     a 64 MiB announcement is refused from its length alone (Oversized), nothing allocated;
     the same frame on a trusted link arrives whole."""
-    from mq import handshake
+    from mq.wire import handshake
     from mq.errors import Oversized
 
     big = frame_of(np.zeros(handshake.MAX_FRAME, np.uint8))  # just over the bound with its header
@@ -451,7 +451,7 @@ def read_whole(inbound, timeout: float = 10.0):
     raise AssertionError("no frame arrived")
 
 
-# ---------------------------------------------------------------- cut-through (mq.cut_through)
+# ---------------------------------------------------------------- cut-through (mq.fanout.cut_through)
 class _Reader(threading.Thread):
     """Reads a link in the background, as the transport's I/O thread does: whole frames go to
     ``frames``; a large frame's header (``Begun``) to ``begun``, followed when ``follow``."""
@@ -496,14 +496,14 @@ def _relay_chain():
 
 
 # Records the upstream sends before holding back the rest: enough for the relay's first piece
-# and what it waits for beyond it (mq.cut_through.AHEAD), so some of the frame goes on.
+# and what it waits for beyond it (mq.fanout.cut_through.AHEAD), so some of the frame goes on.
 _FIRST = (tcplink.PIECE + AHEAD) // tcplink.PIECE + 2
 
 
 def _hop_of(begun, arrival, topic: str):
     """The frame a relay sends on for ``begun``: its own header, the incoming frame's body."""
-    from mq.codec import Frame
-    from mq.cut_through import ArrivingFrame, body_offset
+    from mq.wire.codec import Frame
+    from mq.fanout.cut_through import ArrivingFrame, body_offset
 
     header, buffers = split(begun.frame)
     built = Frame.build(MSG, topic, 2, 0, 0, header[6], buffers)

@@ -342,7 +342,7 @@ DOCTOR_KEYS = {"container", "fork_safety", "rdma", "gpus", "torch", "backends", 
 def _doctor():
     from click.testing import CliRunner
 
-    doctor = pytest.importorskip("cli.doctor")  # installed as mq.cli.doctor; tests run from the repo
+    doctor = pytest.importorskip("mq.cli.doctor")
     return CliRunner(), doctor
 
 

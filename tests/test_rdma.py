@@ -23,10 +23,12 @@ import numpy as np
 import pytest
 
 import mq
-from mq import auth, rdma as _rdma, rdma_path
-from mq.codec import PATH
+from mq import auth
+from mq.datapaths.rdma import engine as _rdma
+from mq.datapaths.rdma import path as rdma_path
+from mq.wire.codec import PATH
 from mq.errors import ConfigError, ProtocolError
-from mq.rdma_path import RdmaReader
+from mq.datapaths.rdma.path import RdmaReader
 from mq.testing import wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -196,7 +198,7 @@ def test_a_forged_or_replayed_offer_is_refused_and_counted(two_hosts):
         q._sender.send_control(1, PATH, ["rdma", {"offer": offer}], 5)  # forged MAC
         assert wait_until(lambda: q.call(1, "stats", None)["offers_refused"] == 1, 10)
         # signed with the secret, but an old sequence number: a replay
-        from mq.rdma_path import _Offer
+        from mq.datapaths.rdma.path import _Offer
         old = _Offer(seq=0, agent=path.engine.name, meta=path.engine.metadata(), segments=[(1, 4096, 1 << 20)])
         old.mac = path._proof(0, q.incarnation, 1, info["incarnation"], old)
         q._sender.send_control(1, PATH, ["rdma", {"offer": {**offer, "seq": 0, "mac": old.mac,
@@ -368,7 +370,7 @@ def test_a_verdict_that_comes_before_the_offers_send_returns_is_taken():
 
 
 def test_offers_are_bound_to_both_incarnations():
-    from mq.rdma_path import RdmaPath, _Offer
+    from mq.datapaths.rdma.path import RdmaPath, _Offer
 
     secret = auth.Secret(b"k" * 32, "explicit")
     path = RdmaPath.__new__(RdmaPath)
@@ -409,10 +411,10 @@ def test_why_the_path_is_off_names_the_missing_device_mount_in_a_container(tmp_p
 
 def test_a_node_whose_rdma_path_started_is_fork_guarded():
     """The fork-safety variables are set before NIXL loads, and a fork after the path started
-    logs the warning (mq.forksafe)."""
+    logs the warning (mq.datapaths.rdma.forksafe)."""
     if _nixl_missing():
         pytest.skip(_nixl_missing())
-    from mq import forksafe
+    from mq.datapaths.rdma import forksafe
 
     with mq.create("nng", 0, rdma="tcp") as q:
         assert q._sender.rdma.unavailable is None, q._sender.rdma.unavailable

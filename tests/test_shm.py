@@ -17,8 +17,8 @@ import pytest
 import mq
 from mq.testing import read_line, stop_processes, wait_until
 from mq.errors import ProtocolError
-from mq.datapath import ReleaseQueue
-from mq.shm import Pool, PoolReader
+from mq.datapaths.base import ReleaseQueue
+from mq.datapaths.shm.pool import Pool, PoolReader
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mq.errors import ProtocolError
-from mq.shm import _LIVE, _MIN_SEGMENT, _RETIRED, Pool, PoolReader
+from mq.datapaths.shm.pool import _LIVE, _MIN_SEGMENT, _RETIRED, Pool, PoolReader
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,7 +28,7 @@ GEN = 1
 #   truncate FD SIZE                   -> "ok", or "refused ERRNO"
 FORGER = r"""
 import fcntl, os, sys
-from mq.shm import _HEAD, _MAGIC
+from mq.datapaths.shm.pool import _HEAD, _MAGIC
 for line in sys.stdin:
     cmd, *args = line.split()
     if cmd == "make":
@@ -59,7 +59,7 @@ for line in sys.stdin:
 READER = r"""
 import sys
 from mq.errors import ProtocolError
-from mq.shm import PoolReader
+from mq.datapaths.shm.pool import PoolReader
 pid, seg_id, fd, nbytes = map(int, sys.argv[1:])
 reader = PoolReader(1, {"pid": pid, "probe": [seg_id, fd], "max_bytes": 1 << 30}, lambda s, g: None)
 desc = [seg_id, fd, 1, 0, nbytes]

@@ -7,7 +7,7 @@ Each case runs the harness as a subprocess (its CLI, as ``scripts/stress`` does)
 ``--peer-timeout 2`` so that silence is judged in 2-2.5 s, and checks that it left nothing
 behind: no process carrying this run's tag in its environment, no namespace.
 
-The operations that once hung or raised the wrong error (before :mod:`mq.waits`) have their own
+The operations that once hung or raised the wrong error (before :mod:`mq.node.waits`) have their own
 tests. ``bash scripts/stress`` runs the full sweep (200 runs per route and load).
 """
 
@@ -164,7 +164,7 @@ def test_torch_rpc_survives_its_peer():
 
 
 # ---------------------------------------------------------------------- what once hung or erred
-# Against 2b7b912 (before mq.waits), every run of these failed: stop()'s drain ignored a death
+# Against 2b7b912 (before mq.node.waits), every run of these failed: stop()'s drain ignored a death
 # while stopping and waited out its timeout; Stream.send waited for credit on a condition nobody
 # woke; Stream.recv never looked at its senders; an rdma send whose pool wait ended by a death
 # raised ClosedError; a torch RPC call to a frozen peer ended a second past the bound.

@@ -1,4 +1,4 @@
-"""TensorDict payloads (mq/tensordicts.py through mq/codec.py): batch size, nested keys, names,
+"""TensorDict payloads (mq/wire/tensordicts.py through mq/wire/codec.py): batch size, nested keys, names,
 NonTensorData, lazy stacks round-trip with their tensors out of band and nothing pickled; what
 cannot go is an EncodeError; a malformed tree is a ProtocolError; `import mq` does not import
 tensordict."""
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mq.codec import MSG, Codec
+from mq.wire.codec import MSG, Codec
 from mq.errors import EncodeError, ProtocolError
 
 tdm = pytest.importorskip("tensordict", reason="tensordict is not installed (pip install '.[torchrl]')")
@@ -134,5 +134,5 @@ def test_a_tensor_that_does_not_fit_its_batch_size_is_a_protocol_error():
 
 
 def test_importing_mq_does_not_import_tensordict():
-    code = "import sys, mq, mq.codec; assert 'tensordict' not in sys.modules, 'imported'"
+    code = "import sys, mq, mq.wire.codec; assert 'tensordict' not in sys.modules, 'imported'"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

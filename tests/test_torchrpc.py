@@ -364,7 +364,7 @@ def test_a_frame_goes_as_text_or_tensors_by_the_peers_inline_bound_and_both_form
     """to_rpc: one frame, two peers (same host: 8 KiB as text, another host: 64 KiB); each form
     is made once and decodes to the same bytes."""
     from mq.backends.torchrpc.wire import INLINE_MAX, REMOTE_INLINE_MAX, frame_parts, to_rpc
-    from mq.codec import MSG, Codec
+    from mq.wire.codec import MSG, Codec
 
     codec = Codec(keep_tensors=True)
     payload = np.arange(20 << 10, dtype=np.uint8)

@@ -24,7 +24,7 @@ import mq
 from mq.testing import wait_until
 from mq import auth
 from mq.backends.nng.links import tcp as tcplink
-from mq.codec import BYE, HELLO, LINK, MSG
+from mq.wire.codec import BYE, HELLO, LINK, MSG
 from tests.strangers import fake_hello, raw_frame, send_as_strangers, stranger
 
 pytestmark = pytest.mark.timeout(90)
@@ -218,7 +218,7 @@ def test_a_node_that_stops_and_comes_back_in_the_same_process_keeps_its_link():
     """The first incarnation's goodbye closes its link a moment later (GOODBYE_LINGER_S): that
     must not close the link of the second, which joined meanwhile (a TorchRL collector replacing
     its copy of the scheme lost every worker this way, seconds later)."""
-    from mq.sender import GOODBYE_LINGER_S
+    from mq.node.sender import GOODBYE_LINGER_S
 
     with mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", timeout=10) as q:
         q.on("ping", lambda x: x)
@@ -312,7 +312,7 @@ def test_a_request_on_a_link_that_never_joined_is_refused_and_counted():
     """What a transport that answers calls in one exchange hands core (``on_request``) is not
     even decoded from a link that never proved membership: it is not taken (None), so the caller
     sends it as an ordinary frame, which only the handshake parser reads, and refuses."""
-    from mq.codec import REQ, split
+    from mq.wire.codec import REQ, split
 
     ran = []
     with mq.create("inproc", 0) as q:
@@ -329,7 +329,7 @@ def test_a_request_racing_its_senders_join_falls_back_to_an_ordinary_frame():
     """torch RPC serves requests on its own threads: one can arrive after the sender's link is
     bound but before core finished the join (seen under Slurm). It must not fail the call:
     core answers None and the caller sends an ordinary frame, ordered after the join."""
-    from mq.codec import REQ, split
+    from mq.wire.codec import REQ, split
 
     ran = []
     with mq.create("inproc", 0) as q:

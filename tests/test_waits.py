@@ -1,4 +1,4 @@
-"""The one way to wait (mq.waits, issue 45): each promise of its docstring, each shown to fail
+"""The one way to wait (mq.node.waits, issue 45): each promise of its docstring, each shown to fail
 when broken. A wait ends on its condition, a lost peer, a stop or its deadline; a wake-up that
 comes between a look and the sleep is never lost; a forgotten one costs at most the re-check
 interval, never the whole timeout."""
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import mq
-from mq import waits as w
+from mq.node import waits as w
 from mq.errors import ClosedError, PeerLost, Timeout
 
 pytestmark = pytest.mark.timeout(60)
@@ -211,8 +211,8 @@ def test_an_answer_promised_in_a_goodbye_is_awaited_though_the_link_closes_first
     can overtake the answer (inproc: the close is told at once, the answer waits in the inbox;
     a CI flake): the caller keeps waiting through the grace, and gets the answer. An answer
     that never comes fails the call with PeerLost once the grace is over."""
-    from mq import calls as c
-    from mq.codec import REP_OK
+    from mq.node import calls as c
+    from mq.wire.codec import REP_OK
 
     peer = SimpleNamespace(lost=None)
     calls = c.Calls(0, None, {1: peer}, None, None, None, SimpleNamespace(dropped_unexpected_reply=0),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mq.backends.nng.links.warm import WarmBuffers, capacity
-from mq.codec import Codec, split
+from mq.wire.codec import Codec, split
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -153,7 +153,7 @@ def calls(node_id: int, world_size: int, init_method: str) -> Any:
     from torch.distributed import rpc
 
     from mq.backends.torchrpc.wire import inline_text as _inline_text, request_script as _request_script
-    from mq.codec import REQ
+    from mq.wire.codec import REQ
 
     with _create(node_id, world_size, init_method) as q:
         q.wait_for_peers(1, timeout=20)

@@ -22,7 +22,7 @@ import torch
 
 import mq
 from mq.integrations.torchrl import MQWeightSyncScheme
-from mq.waits import Flag
+from mq.node.waits import Flag
 
 DEFAULTS: dict[str, Any] = {
     "env": "CartPole-v1", "frames_per_batch": 32, "frames_per_update": 2, "batch_size": 64, "lr": 1e-3,

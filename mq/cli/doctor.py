@@ -1,7 +1,7 @@
 """`mq doctor`: what this node sees, and which route it would take to a peer.
 
 The command is thin: :func:`report` gathers plain facts from the library (``mq.locality``,
-``mq.routing``, ``mq.forksafe``), and the command prints them as rich tables or one JSON object.
+``mq.routing``, ``mq.datapaths.rdma.forksafe``), and the command prints them as rich tables or one JSON object.
 Every section is gathered on its own, so one broken probe shows up as an ``error`` entry in
 its section instead of failing the command; it must work on a laptop without GPU or RDMA.
 """
@@ -14,11 +14,11 @@ from typing import Any, Callable, Mapping
 
 import click
 
-import mq.forksafe as forksafe
+import mq.datapaths.rdma.forksafe as forksafe
 from mq.locality import Locality, local
 from mq import auth as _auth
-from mq import rdma as _rdma_mod
-from mq.datapath import PATHS
+from mq.datapaths.rdma import engine as _rdma_mod
+from mq.datapaths.base import PATHS
 from mq.registry import backends
 from mq.routing import select_route
 
@@ -121,7 +121,7 @@ def _rdma(me: Locality) -> dict[str, Any]:
 
 def _shm() -> dict[str, Any]:
     """Can this process make a shared-memory pool, and could a same-host peer open it?"""
-    from mq.shm import Pool, PoolReader
+    from mq.datapaths.shm.pool import Pool, PoolReader
 
     try:
         pool = Pool(max_bytes=1 << 20, label="doctor")

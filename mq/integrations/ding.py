@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mq
-from mq.waits import Flag
+from mq.node.waits import Flag
 from mq import auth
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, Timeout
 from mq.backend import LocalJob

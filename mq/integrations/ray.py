@@ -29,7 +29,7 @@ import socket
 import time
 from typing import Any
 
-from mq import waits
+from mq.node import waits
 from mq.errors import ConfigError, Timeout
 from mq.rendezvous import parse_init_method
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import cast
 
-from mq import waits
+from mq.node import waits
 from mq.errors import ConfigError
 
 

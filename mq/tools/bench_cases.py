@@ -194,7 +194,7 @@ def mq_type_unavailable(mq_type: str) -> str | None:
 def rdma_unavailable() -> str | None:
     """Why rows on route rdma cannot run here (NIXL, which the rdma path loads, not installed),
     or None. Looked up, not imported: the workers load it."""
-    from mq import rdma
+    from mq.datapaths.rdma import engine as rdma
 
     if any(importlib.util.find_spec(name.split(".")[0]) is not None for name in rdma._API_MODULES):
         return None

@@ -88,7 +88,7 @@ def run(nodes: int, procs: int, idle: float, timeout: float, settle: float = 15.
         out["join_s"] = round(time.monotonic() - began, 2)
         out["errors"] = [e for j in joined for e in j.get("errors", ["a process said nothing"])]
         pids = [c.pid for c in children]
-        time.sleep(settle)  # the joins' own traffic settles (and pairs go idle: mq.liveness)
+        time.sleep(settle)  # the joins' own traffic settles (and pairs go idle: mq.node.liveness)
         cpu0, t0 = _cpu_seconds(pids), time.monotonic()
         time.sleep(idle)
         out["idle_cpu"] = round((_cpu_seconds(pids) - cpu0) / (time.monotonic() - t0), 4)

@@ -3,7 +3,7 @@
 Reports, per GPU, name, UUID, compute mode and MIG (NVML when importable, else torch); the
 peer-to-peer matrix; the device-to-device copy time per bench size (the bound a CUDA message
 cannot beat); whether torch's CUDA IPC works with ``expandable_segments:True``; and a
-two-process open of an mq pool (``mq.cuda_ipc.probe_two_process``). Each part is guarded: a
+two-process open of an mq pool (``mq.datapaths.nvlink.cuda_ipc.probe_two_process``). Each part is guarded: a
 failure becomes that part's ``error`` and the rest still runs. Without a CUDA GPU it says
 "no CUDA GPU visible" and exits 0. ``scripts/gpu-check`` writes its output into env.txt.
 """
@@ -155,14 +155,14 @@ def expandable_segments_ipc() -> dict[str, Any]:
 
 
 def pool_open(device: int = 0, peer_device: int | None = None, timeout: float = 45.0) -> dict[str, Any]:
-    """A two-process open of an mq CUDA pool: ``mq.cuda_ipc.probe_two_process`` (guarded).
+    """A two-process open of an mq CUDA pool: ``mq.datapaths.nvlink.cuda_ipc.probe_two_process`` (guarded).
     ``peer_device`` and ``timeout`` are passed only where that function takes them."""
     import inspect
 
     try:
-        from mq.cuda_ipc import probe_two_process
+        from mq.datapaths.nvlink.cuda_ipc import probe_two_process
     except (ImportError, AttributeError) as exc:
-        return {"ok": False, "error": f"mq.cuda_ipc not available: {exc}"}
+        return {"ok": False, "error": f"mq.datapaths.nvlink.cuda_ipc not available: {exc}"}
     params: Mapping[str, Any]  # a signature's, or none
     try:
         params = inspect.signature(probe_two_process).parameters
@@ -173,7 +173,8 @@ def pool_open(device: int = 0, peer_device: int | None = None, timeout: float = 
         kwargs["timeout"] = timeout
     if peer_device is not None and peer_device != device:
         if "peer_device" not in params:
-            return {"ok": None, "error": "not measured: mq.cuda_ipc.probe_two_process takes one device"}
+            return {"ok": None,
+                    "error": "not measured: mq.datapaths.nvlink.cuda_ipc.probe_two_process takes one device"}
         kwargs["peer_device"] = peer_device
     try:
         return dict(probe_two_process(**kwargs))

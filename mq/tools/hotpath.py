@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 import mq
-from mq.codec import Frame, split
+from mq.wire.codec import Frame, split
 from mq.routing import Route
 from mq.transport import Events, Transport
 

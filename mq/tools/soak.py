@@ -87,7 +87,8 @@ def main() -> None:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    msg_bytes = len(mq.codec.Codec().encode(0, "soak", 1, 0, 0, {"i": 0, "x": np.zeros(64, np.float32)}).to_bytes())
+    sample = {"i": 0, "x": np.zeros(64, np.float32)}
+    msg_bytes = len(mq.wire.codec.Codec().encode(0, "soak", 1, 0, 0, sample).to_bytes())
     print(json.dumps({
         "messages": args.messages, "wall_s": round(time.monotonic() - t0, 1),
         "msgs_per_s": round(res["received"] / max(res["seconds"], 1e-9)),

@@ -16,12 +16,12 @@
 #: while instrumenting, so this table lives here). Instrumenting only these keeps the signal
 #: on the parser and a target's start short.
 INSTRUMENTED = {
-    "handshake": ("mq.handshake",),
-    "codec": ("mq.codec",),
+    "handshake": ("mq.wire.handshake",),
+    "codec": ("mq.wire.codec",),
     "unixlink": ("mq.backends.nng.links.unix", "mq.backends.nng.links.base"),
     "tcplink": ("mq.backends.nng.links.tcp", "mq.backends.nng.links.base"),
-    "shm": ("mq.shm",),
-    "cuda": ("mq.cuda_ipc",),
-    "rdma": ("mq.rdma_path",),
+    "shm": ("mq.datapaths.shm.pool",),
+    "cuda": ("mq.datapaths.nvlink.cuda_ipc",),
+    "rdma": ("mq.datapaths.rdma.path",),
 }
 NAMES = tuple(INSTRUMENTED)

@@ -20,7 +20,7 @@ import numpy as np
 
 import mq
 from mq.backends.nng.links import tcp as tcplink
-from mq.codec import ALIGN, HELLO, HELLO_ACK, LINK, MSG, Codec, Frame
+from mq.wire.codec import ALIGN, HELLO, HELLO_ACK, LINK, MSG, Codec, Frame
 from tests.fuzz import targets
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus")

@@ -9,7 +9,7 @@ Targets keep no state between inputs except the shared-memory pool of :func:`shm
 per process (:func:`close` unmaps it); the rdma target makes a fresh node per input. Input formats:
 
 - ``handshake``, ``codec``: one frame in the contiguous layout (``codec``: also a batch of
-  frames back to back, as :func:`mq.codec.split_batch` reads NNG messages).
+  frames back to back, as :func:`mq.wire.codec.split_batch` reads NNG messages).
 - ``unixlink``, ``tcplink``: a mode byte (bit 0: the link already authenticated, where the
   link reader distinguishes; bit 1, tcp: large frames announced and followed, as a relay
   does; bit 2, tcp: frames flagged SHARED land in the shm pool, as a relay lends them), then
@@ -39,10 +39,14 @@ import msgpack
 import msgspec
 import numpy as np
 
-from mq import auth, handshake, rdma_path
+from mq import auth
+
+from mq.wire import handshake
+
+from mq.datapaths.rdma import path as rdma_path
 from mq.backends.nng.links import tcp as tcplink
 from mq.backends.nng.links import unix as unixlink
-from mq.codec import Codec, split_batch
+from mq.wire.codec import Codec, split_batch
 from mq.errors import ProtocolError
 from tests.fuzz import NAMES
 
@@ -62,7 +66,7 @@ class Finding(AssertionError):
 
 # ---------------------------------------------------------------------- handshake
 def handshake_target(data: bytes) -> None:
-    """:func:`mq.handshake.parse`: the only parser of a link that has not authenticated."""
+    """:func:`mq.wire.handshake.parse`: the only parser of a link that has not authenticated."""
     try:
         hs = handshake.parse(data)
     except ProtocolError:
@@ -75,7 +79,7 @@ def handshake_target(data: bytes) -> None:
 
 # ---------------------------------------------------------------------- codec
 def codec_target(data: bytes) -> None:
-    """:meth:`mq.codec.Codec.decode_frame`, and :func:`mq.codec.split_batch` with each frame
+    """:meth:`mq.wire.codec.Codec.decode_frame`, and :func:`mq.wire.codec.split_batch` with each frame
     decoded as the transports do (shared-memory descriptors resolved by a stand-in)."""
     codec = Codec()
     data = bytearray(data)  # writable, as every transport's received frames are
@@ -100,7 +104,7 @@ _RESOLVED: list[int] = []  # the bytes of each descriptor the frame being decode
 
 
 def _resolve(sender: int, desc: Any) -> memoryview:
-    """Stands in for :meth:`mq.shm.PoolReader.view`: a view for a well-shaped descriptor,
+    """Stands in for :meth:`mq.datapaths.shm.pool.PoolReader.view`: a view for a well-shaped descriptor,
     ProtocolError otherwise (the ``shm`` target fuzzes the real one)."""
     if not (isinstance(desc, list) and len(desc) == 5 and all(type(x) is int for x in desc)):
         raise ProtocolError(f"malformed shared-memory descriptor {desc!r}")
@@ -268,7 +272,7 @@ class _ShmPeer:
     """A real pool of this process, read through a PoolReader as a peer's pool would be."""
 
     def __init__(self) -> None:
-        from mq import shm
+        from mq.datapaths.shm import pool as shm
 
         self.pool = shm.Pool(max_bytes=16 << 20, label="fuzz")
         # Live slots of a few sizes, with generations past 0: what real descriptors name.
@@ -293,7 +297,7 @@ def shm_peer() -> _ShmPeer:
 
 
 def shm_target(data: bytes) -> None:
-    """:meth:`mq.shm.PoolReader.view` with a descriptor decoded as a frame header's would be."""
+    """:meth:`mq.datapaths.shm.pool.PoolReader.view` with a descriptor decoded as a frame header's would be."""
     try:
         desc = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
     except Exception:
@@ -323,7 +327,7 @@ CUDA_POOL = {"pool": 1, "uuid": CUDA_UUID, "size": 64 << 20, "handle": b"h" * 64
 def _cuda_pools() -> Any:
     """A peer's pools as a receiver holds them once pool 1 was offered (its base a dummy: the
     target only runs the checks, which never touch it)."""
-    from mq import cuda_ipc
+    from mq.datapaths.nvlink import cuda_ipc
 
     pools = cuda_ipc.PeerPools(1, CUDA_PID, [CUDA_UUID], lambda *a: None)
     pools._pools[1] = cuda_ipc._Opened(dict(CUDA_POOL), 0, 1 << 40, [None] * 16, local=True)
@@ -331,9 +335,9 @@ def _cuda_pools() -> Any:
 
 
 def cuda_target(data: bytes) -> None:
-    """:meth:`mq.cuda_ipc.PeerPools.check` for a descriptor, :func:`mq.cuda_ipc.check_pool_info`
+    """:meth:`mq.datapaths.nvlink.cuda_ipc.PeerPools.check` for a descriptor, :func:`mq.datapaths.nvlink.cuda_ipc.check_pool_info`
     for a pool description: what passes must lie inside the pool and name a real event."""
-    from mq import cuda_ipc
+    from mq.datapaths.nvlink import cuda_ipc
 
     try:
         value = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=False)
@@ -372,7 +376,7 @@ RDMA_MAX_DESCRIPTORS = 16  # descriptors read after one offer (a sequence input)
 
 
 class _RdmaEngine:
-    """Stands in for :class:`mq.rdma.Engine` (no NIXL): registers nothing, loads only the
+    """Stands in for :class:`mq.datapaths.rdma.engine.Engine` (no NIXL): registers nothing, loads only the
     metadata blob :data:`RDMA_META` (as node :data:`RDMA_PEER`'s agent), and "reads" by checking
     the span against what the peer really offered. A read outside it is a finding: a
     descriptor the checks should have refused reached the transfer (recorded here, because
@@ -576,7 +580,7 @@ assert RDMA_OFFER is not None
 
 
 def rdma_target(data: bytes) -> None:
-    """:meth:`mq.rdma_path.RdmaPath.accept` (its ``_load``) and :meth:`mq.rdma_path.RdmaReader.view`
+    """:meth:`mq.datapaths.rdma.path.RdmaPath.accept` (its ``_load``) and :meth:`mq.datapaths.rdma.path.RdmaReader.view`
     on a receiver whose engine is a stand-in (no NIXL). The input is a msgpack value:
 
     - a map: an offer as a PATH frame carries it; only one signed with the job secret may load

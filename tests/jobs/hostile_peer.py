@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator
 
 import msgpack
 
-from mq import handshake
-from mq.codec import ALIGN, MAX_DEPTH, MSG, VERSION
+from mq.wire import handshake
+from mq.wire.codec import ALIGN, MAX_DEPTH, MSG, VERSION
 from tests.fuzz.mutate import mutate
 
 CORPUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fuzz", "corpus", "handshake")

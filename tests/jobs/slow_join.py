@@ -1,7 +1,7 @@
 """A node that answers its first HELLO late: `python -m tests.jobs.slow_join NODE_ID DELAY_S`.
 
 It prints its tcp address, then answers the first greeting it gets only after DELAY_S seconds
-(longer than mq.join.REGREET_S: its greeter has greeted again meanwhile), as a node on a loaded
+(longer than mq.node.join.REGREET_S: its greeter has greeted again meanwhile), as a node on a loaded
 machine may. It serves until killed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import time
 
 import mq
-from mq import join
+from mq.node import join
 
 
 def main() -> None:

@@ -18,8 +18,8 @@ from typing import Any
 from mq.backends.inproc import BACKEND
 from mq.backends.inproc.options import SCHEME as _SCHEME
 from mq.backends.inproc.options import InprocOptions
-from mq.codec import Frame, split
-from mq import waits as _waits
+from mq.wire.codec import Frame, split
+from mq.node import waits as _waits
 from mq.errors import ConfigError, PeerLost, ProtocolError, Timeout
 from mq.routing import Route
 from mq.transport import Events, Transport

@@ -18,9 +18,9 @@ from pynng import ffi, lib
 
 from mq.backends.nng.wire import (BATCH_BYTES, BATCH_FRAME_MAX, batch_message, new_msg,
                                   raise_send_error)
-from mq.codec import ALIGN, Frame
+from mq.wire.codec import ALIGN, Frame
 from mq.errors import ClosedError
-from mq.waits import LIVE_OR_STOPPING, Waits
+from mq.node.waits import LIVE_OR_STOPPING, Waits
 
 log = logging.getLogger("mq.nng")
 
@@ -30,7 +30,7 @@ class Outbox:
     latency is one NNG send). Behind a busy pipe, or in a stream (a frame within
     ``batch_window`` of the previous one, nothing received in between), frames queue here, at
     most ``limit`` before ``send`` waits, and a flusher thread sends them in order, small ones
-    many to an NNG message (the contiguous layout back to back, :func:`mq.codec.split_batch`):
+    many to an NNG message (the contiguous layout back to back, :func:`mq.wire.codec.split_batch`):
     a stream pays NNG's per-message cost once per batch instead of once per frame.
 
     Small queued frames are kept as bytes, not NNG messages: making one is a C call that lets

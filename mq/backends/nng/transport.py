@@ -6,7 +6,7 @@ addresses, and, by default, on a unix SEQPACKET link and a TCP link of mq's own
 slow. Each sender->receiver pair is one ordered stream, and a full receiver stops reading,
 which blocks the sender up to its timeout (backpressure) instead of dropping.
 
-Joining (driven by :class:`mq.core.MQ`): ``greet`` dials an ``attach_to`` address (or a peer
+Joining (driven by :class:`mq.node.core.MQ`): ``greet`` dials an ``attach_to`` address (or a peer
 found through the rendezvous, :mod:`mq.rendezvous`) with a short-lived bootstrap NNG socket
 and sends HELLO; ``connect`` opens the outgoing link on the route core chose: ``inproc`` inside
 one process, a unix link (one hop where NNG's ipc takes three) for ``ipc`` and ``shm`` (the link
@@ -34,7 +34,7 @@ import pynng
 from pynng import ffi, lib
 from pynng.exceptions import check_err
 
-from mq import handshake
+from mq.wire import handshake
 from mq.backends.nng import ROUTES
 from mq.backends.nng.links import tcp as tcplink
 from mq.backends.nng.links import unix as unixlink
@@ -45,11 +45,11 @@ from mq.backends.nng import orphans  # noqa: F401  (pynng sockets GC-closed off 
 from mq.backends.nng.options import NngOptions, check_address
 from mq.backends.nng.outbox import Outbox
 from mq.backends.nng.wire import msg_view, send_msg
-from mq.codec import ALIGN, Frame, split, split_batch
+from mq.wire.codec import ALIGN, Frame, split, split_batch
 from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError
 from mq.locality import local
-from mq import waits
-from mq.reader_token import ReaderToken
+from mq.node import waits
+from mq.node.reader_token import ReaderToken
 from mq.rendezvous import Rendezvous, attach_targets
 from mq.routing import Route
 from mq.transport import Events, Transport
@@ -361,7 +361,7 @@ class NngTransport(Transport):
             # few ms), stay out of its way: waking up per frame would cost it the GIL. We look
             # again after a while instead of being told (a caller waking this thread each time
             # it leaves recv() cost a small round trip ~150 us), less often the longer callers
-            # keep reading (see mq.reader_token).
+            # keep reading (see mq.node.reader_token).
             token.await_turn(stopped)
             # Releases the GIL; wakes when a frame waits, a link comes or goes, or stop() pokes us.
             events = self._poller(recv_fd).poll(500)

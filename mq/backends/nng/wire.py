@@ -1,9 +1,9 @@
 """How the nng transport lays frames into NNG messages, and reads them back.
 
-A frame is the contiguous layout of :mod:`mq.codec`, written straight into one NNG message
+A frame is the contiguous layout of :mod:`mq.wire.codec`, written straight into one NNG message
 (one copy). Behind a busy pipe, small frames share a message: frames back to back, each on a
-64-byte (:data:`mq.codec.ALIGN`) boundary, zero padding between them
-(:func:`mq.codec.split_batch` reads them), frames of at most :data:`BATCH_FRAME_MAX` bytes up
+64-byte (:data:`mq.wire.codec.ALIGN`) boundary, zero padding between them
+(:func:`mq.wire.codec.split_batch` reads them), frames of at most :data:`BATCH_FRAME_MAX` bytes up
 to :data:`BATCH_BYTES` a message. A received message is split in place: arrays and tensors are
 views of NNG's buffer, freed with the last view.
 """
@@ -16,7 +16,7 @@ import pynng
 from pynng import ffi, lib
 from pynng.exceptions import check_err
 
-from mq.codec import ALIGN, ZERO_PAD, Frame
+from mq.wire.codec import ALIGN, ZERO_PAD, Frame
 from mq.errors import ClosedError
 
 # Behind a busy pipe, frames up to this size share one NNG message, up to BATCH_BYTES a message.

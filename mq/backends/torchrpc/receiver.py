@@ -8,7 +8,7 @@ handshake parser until the rank proved itself, ``on_frame`` after) and counts wh
 consumed: that count is the sender's credit, piggybacked on every RPC's answer, or sent in a
 credit frame to a blocked sender.
 
-Two kinds of thread read (:mod:`mq.reader_token`): a thread in ``recv()`` (or waiting for a
+Two kinds of thread read (:mod:`mq.node.reader_token`): a thread in ``recv()`` (or waiting for a
 reply) reads for itself (:meth:`Receiver.read_in_caller`), so the frame it waits for skips a
 hand-off between threads (a wake-up on each side of a send and its answer); the delivery thread
 reads while no caller does. A caller never waits on a full queue (core lets it read only while
@@ -28,10 +28,10 @@ import torch
 from mq.backends.torchrpc.streams import Inbound, Link
 from mq.backends.torchrpc.wire import WANT, frame_parts, latin1, settle_cuda
 from mq.errors import ClosedError, ProtocolError
-from mq import waits
-from mq.reader_token import ReaderToken
+from mq.node import waits
+from mq.node.reader_token import ReaderToken
 from mq.transport import Events
-from mq.waits import Flag, Waits
+from mq.node.waits import Flag, Waits
 
 # Frames the delivery thread delivers before it looks again whether a caller came.
 _BATCH = 64

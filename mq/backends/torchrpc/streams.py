@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mq.waits import Waits
+from mq.node.waits import Waits
 
 
 class Link:

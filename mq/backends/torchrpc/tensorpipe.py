@@ -144,7 +144,7 @@ def _channels(local: Locality, peers: list[Locality], cuda: bool, dropped: dict[
 
 def _cuda_channels(local: Locality, peers: list[Locality], dropped: dict[str, str]) -> list[str]:
     channels: list[str] = []
-    # Same-host GPU tensors take mq's own cuda_ipc path (route nvlink, mq.gpu_path): the RPC
+    # Same-host GPU tensors take mq's own cuda_ipc path (route nvlink, mq.datapaths.nvlink.path): the RPC
     # carries only CPU bytes for them. TensorPipe's channel would copy twice through a staging
     # outbox, and its negotiation can break a pipe even for CPU-only traffic (GPU.md).
     dropped["cuda_ipc"] = "same-host GPU tensors take mq's cuda_ipc path (route nvlink)"

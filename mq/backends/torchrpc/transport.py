@@ -67,14 +67,14 @@ from mq.backends.torchrpc.wire import (CREDIT, NOT_SERVED, RPC_TIMED_OUT, WANT, 
                                        INLINE_MAX, claim_agent, deliver_script, frame_parts,
                                        keep_thread_state, release_agent, request_script,
                                        rpc_async, settle_cuda, short, to_rpc)
-from mq import waits
-from mq.codec import Frame
+from mq.node import waits
+from mq.wire.codec import Frame
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.locality import Locality, local
 from mq.rendezvous import Rendezvous
 from mq.routing import ALL_ROUTES, Route, select_route
 from mq.transport import Events, Receipt, Transport
-from mq.waits import LIVE_OR_STOPPING, Waits
+from mq.node.waits import LIVE_OR_STOPPING, Waits
 
 log = logging.getLogger("mq.torchrpc")
 

@@ -8,7 +8,7 @@ A frame is one RPC to the TorchScript function :func:`deliver_script`, which cal
 * ``frame``: bytes as latin-1 text (one character per byte). A small frame (buffers of at most
   ``INLINE_MAX`` = 8 KiB, all in host memory; ``REMOTE_INLINE_MAX`` = 64 KiB to a peer whose
   tensors cannot take TensorPipe's ``cma`` channel) travels whole in it, in the codec's contiguous
-  layout (:mod:`mq.codec`, the one NNG sends), and ``buffers`` is empty: no RPC tensor, each
+  layout (:mod:`mq.wire.codec`, the one NNG sends), and ``buffers`` is empty: no RPC tensor, each
   of which costs TensorPipe a channel transfer (~0.1 ms here). Otherwise it holds the u32
   length prefix and the codec's frame header (the same envelope every transport carries; shm
   descriptors ride in it for same-host peers), and:
@@ -29,7 +29,7 @@ buffers) -> (str, Tensor[])`` carries a REQ frame laid out as above, and its ret
 the reply frame (REP_OK / REP_ERR) laid out the same way; empty text means "not taken here"
 (the server's request threads are busy, or the caller's join is not confirmed yet) and the
 caller sends the REQ as an ordinary frame. The server runs the ``on`` handler on the TensorPipe
-thread that received the request (:meth:`mq.dispatch.Dispatch.on_request`); requests hold at most half
+thread that received the request (:meth:`mq.node.dispatch.Dispatch.on_request`); requests hold at most half
 of TensorPipe's ``num_worker_threads``, so frames and heartbeats always find a thread. Calls are
 not ordered against frames (only frames are numbered).
 
@@ -50,7 +50,7 @@ module. Checked with traps on ``pickle.load(s)`` and torch's internal RPC unpick
 (``_InternalRPCPickler.deserialize``) while messages, tensors and calls flow both ways
 (``tests/test_torchrpc.py::test_data_path_never_unpickles``): none fires on either side, while
 one Python-function ``rpc_sync`` sent as a control fires them on both. The payload inside the
-frame is decoded by :class:`mq.codec.Codec` only, so nothing from the network is unpickled
+frame is decoded by :class:`mq.wire.codec.Codec` only, so nothing from the network is unpickled
 unless the user opted in with ``allow_pickle=True``.
 
 What torch itself still unpickles, and why that is acceptable: ``init_rpc`` builds the static
@@ -75,7 +75,7 @@ from typing import Any, List, Tuple
 import numpy as np
 import torch
 
-from mq.codec import ALIGN, Frame, split
+from mq.wire.codec import ALIGN, Frame, split
 from mq.errors import ConfigError, Oversized, ProtocolError
 
 CREDIT, WANT = -1, -2  # unordered control frames (negative seq; see above)
@@ -330,7 +330,7 @@ def latin1(text: str) -> bytearray:
 
 
 def inline_text(frame: Frame, limit: int = INLINE_MAX) -> str | None:
-    """A small frame whole, in the codec's contiguous layout (:mod:`mq.codec`), as latin-1
+    """A small frame whole, in the codec's contiguous layout (:mod:`mq.wire.codec`), as latin-1
     text; None when its buffers hold more than ``limit`` bytes or a tensor off the host."""
     if sum(frame.sizes) > limit:
         return None

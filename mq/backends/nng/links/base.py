@@ -16,9 +16,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from mq import handshake
+from mq.wire import handshake
 from mq.errors import ClosedError, Oversized
-from mq.waits import LIVE_OR_STOPPING, Waits
+from mq.node.waits import LIVE_OR_STOPPING, Waits
 
 
 def listener(family: int, kind: int, proto: int, address: Any) -> socket.socket:
@@ -37,7 +37,7 @@ class Receiver:
     """The receiving side of one accepted link: ``read()`` gives its next whole frame.
 
     Until ``trusts(link)`` says the link passed the handshake, a frame may be at most
-    :data:`mq.handshake.MAX_FRAME` bytes: a stranger cannot make this node allocate more."""
+    :data:`mq.wire.handshake.MAX_FRAME` bytes: a stranger cannot make this node allocate more."""
 
     __slots__ = ("sock", "fd", "link", "max_frame", "_limit", "_trusts")
 

@@ -19,7 +19,7 @@ bytes. A send that times out half-way through a piece owes the peer the rest of 
 sends that rest and an ABORT (now if it can, else before its next frame), so the receiver never
 delivers part of a frame and the stream never loses its framing.
 
-Who may connect: anyone who reaches the port. A connection is only a link: :class:`mq.core.MQ`
+Who may connect: anyone who reaches the port. A connection is only a link: :class:`mq.node.core.MQ`
 takes no frame from it before a signed handshake frame bound it to a peer, as for NNG pipes.
 A record that breaks the rules (an unknown tag, a frame over ``max_frame_bytes``, a piece past
 its frame) closes that connection and is counted, like a malformed frame.
@@ -35,10 +35,10 @@ from typing import Any, Callable
 
 from mq.backends.nng.links import warm
 from mq.backends.nng.links.base import Receiver, Sender, listener
-from mq.codec import RELAY, Frame, empty_buffer
-from mq.cut_through import Arrival, header_end
+from mq.wire.codec import RELAY, Frame, empty_buffer
+from mq.fanout.cut_through import Arrival, header_end
 from mq.errors import MQError, ProtocolError, Timeout
-from mq.waits import Waits
+from mq.node.waits import Waits
 
 # At most this much of a frame per record: what a timed-out send may still owe. Measured across
 # a veth pair (two network namespaces), 640 MB frames, p50 of 6, three interleaved rounds:
@@ -71,7 +71,7 @@ def listen(host: str) -> socket.socket:
 class Begun:
     """What :meth:`Inbound.read` gives, once per large frame, when the frame's header is in:
     ``frame`` is the whole frame's buffer, filled up to past the header so far, and ``watch()``
-    the frame's :class:`~mq.cut_through.Arrival` (made on the first call) to follow the rest."""
+    the frame's :class:`~mq.fanout.cut_through.Arrival` (made on the first call) to follow the rest."""
 
     __slots__ = ("frame", "watch")
 
@@ -233,7 +233,7 @@ class Outbound(Sender):
                 if sent < len(buf):
                     self._record(peer, [memoryview(buf)[sent:]], deadline, begun=sent > 0)
                 return
-            # A frame relayed while it arrives (mq.cut_through): each piece once it is in.
+            # A frame relayed while it arrives (mq.fanout.cut_through): each piece once it is in.
             ready = getattr(frame, "ready_through", None)
             for i, record in enumerate(records or ()):
                 if ready is not None:

@@ -7,7 +7,7 @@ which waits in ``poll()`` on the socket itself: one hop. Measured with ``mq benc
 README), a same-host round trip of a small message takes about half what it took over NNG's
 ipc, about what raw pynng (no envelope, no checks) takes.
 
-Wire: a frame (the contiguous layout of :mod:`mq.codec`) goes as one datagram, prefixed by its
+Wire: a frame (the contiguous layout of :mod:`mq.wire.codec`) goes as one datagram, prefixed by its
 length (u64, little-endian); a frame longer than :data:`DATAGRAM` - 8 bytes continues in
 datagrams of at most :data:`DATAGRAM` bytes, each tagged ``01``. A send that times out with
 part of a frame gone sends (now, or before its next frame) a ``02`` datagram: drop that frame.
@@ -15,7 +15,7 @@ SEQPACKET keeps datagrams whole and in order, and a connection belongs to one se
 frames of one link never interleave.
 
 Who may connect: anyone on the host (an abstract socket has no permissions). A connection is
-only a link: :class:`mq.core.MQ` takes no frame from it before a signed handshake frame bound
+only a link: :class:`mq.node.core.MQ` takes no frame from it before a signed handshake frame bound
 it to a peer, exactly as for NNG pipes. Abstract names vanish with the process, SIGKILL
 included: nothing is left behind.
 """
@@ -29,9 +29,9 @@ import time
 from typing import Any, Callable
 
 from mq.backends.nng.links.base import Receiver, Sender, listener
-from mq.codec import Frame, empty_buffer
+from mq.wire.codec import Frame, empty_buffer
 from mq.errors import ProtocolError, Timeout
-from mq.waits import Waits
+from mq.node.waits import Waits
 
 DATAGRAM = 64 << 10  # one datagram; the kernel's default socket buffer holds three
 _PREFIX = struct.Struct("<Q")

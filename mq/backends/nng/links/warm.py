@@ -20,8 +20,8 @@ from typing import Any
 
 from cffi import FFI
 
-from mq.datapath import size_class, view_until_garbage
-from mq.shm import POPULATE
+from mq.datapaths.base import size_class, view_until_garbage
+from mq.datapaths.shm.pool import POPULATE
 
 _ffi = FFI()
 

@@ -1,0 +1,310 @@
+"""Liveness: heartbeats, receipts, flush and farewell.
+
+:class:`Liveness` owns the heartbeat thread and the judgement of silence: it pings the peers
+worth probing (a PING carries our receipt, the count of their frames we received): those we
+traded data or calls with lately and those a wait of ours depends on (:meth:`mq.node.waits.Waits.depend`);
+it declares silent ones lost in the peer table, and knows when this process itself was not
+scheduled (then nobody's silence is proven). A peer that is neither costs nothing: the idle
+cost of a node does not grow with the size of its mesh. ``flush`` waits for a peer's receipt;
+``farewell`` tells every live peer we leave (BYE) and waits for their answers. Data flows::
+
+    heartbeat thread -> Sender (PING) ; silence -> PeerTable.lose
+    dispatch: PING -> on_ping -> PeerTable.receipt (and a PING back when asked)
+              BYE  -> on_bye  -> Sender (REP_OK) -> PeerTable.lose
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from mq.node.calls import Calls
+from mq.wire.codec import BYE, PING, REP_OK, Envelope
+from mq.errors import MQError, PeerLost
+from mq.node.lifecycle import Lifecycle
+from mq.node.peers import Peer, PeerTable
+from mq.node.sender import Sender
+from mq.node import waits
+from mq.node.waits import LIVE_OR_STOPPING, Flag
+
+log = logging.getLogger("mq")
+
+#: A peer lost while stop() waits for its answer to our goodbye: its answer, sent just before its
+#: link closed, may still be on its way on the other link of the pair; it gets this long.
+ANSWER_GRACE_S = 0.25
+#: A pair quiet (no data, no calls, either way) for this many peer timeouts is not probed
+#: until traffic or a wait on it resumes: an idle mesh costs nothing however large.
+IDLE_AFTER_TIMEOUTS = 3.0
+#: The heartbeat thread's tick while no peer is probed (else min(heartbeat, 0.5) s).
+IDLE_TICK_S = 2.0
+
+
+class Liveness:
+    """Liveness of node ``node_id``'s peers (see the module docstring).
+
+    Args:
+        heartbeat: seconds between pings of a peer that is probed.
+        peer_timeout: a probed peer silent this long is lost.
+
+    ``idle_after`` (:data:`IDLE_AFTER_TIMEOUTS` peer timeouts): a pair with no data or calls
+    for this long is no longer probed unless a wait depends on it (see :meth:`_look_at`).
+    """
+
+    def __init__(self, node_id: int, sender: Sender, peers: PeerTable, calls: Calls, life: Lifecycle,
+                 *, heartbeat: float, peer_timeout: float):
+        self.node_id = node_id
+        self._sender = sender
+        self._peers = peers
+        self._calls = calls
+        self._life = life
+        self.heartbeat = heartbeat
+        self.peer_timeout = peer_timeout
+        self.idle_after = IDLE_AFTER_TIMEOUTS * peer_timeout
+        self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
+        self._busy = 0  # readers working on one frame for a while (reader_busy)
+        self._busy_lock = threading.Lock()
+        self._waits = peers.waits
+        self._wanted = Flag(self._waits)  # wakes the heartbeat thread: receipts due, or new dependents
+        self._newly_depended: collections.deque[int] = collections.deque()
+        self._waits.depending = self._depending
+
+    def stalled(self) -> None:
+        """Our reader is blocked (a full queue): frames wait unread, so silence proves nothing."""
+        self._stalled_until = time.monotonic() + self.peer_timeout
+
+    @contextlib.contextmanager
+    def reader_busy(self) -> Any:
+        """A reader works on one frame for a while (an rdma pull: a landing segment made, the
+        bytes read): frames wait unread meanwhile, so no silence is judged until it is done and
+        the frames that waited had time to be read. The work must bound itself (a pull does)."""
+        with self._busy_lock:
+            self._busy += 1
+        self._waits.wake_all()  # a stalled reader: every wait looks again
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
+            self.stalled()
+
+    # ------------------------------------------------------------------ frames
+    def on_ping(self, env: Envelope) -> None:
+        """A heartbeat: it carries the peer's receipt for our frames. One that wants an answer
+        (a flush, or a wait of the peer's that depends on us) gets one now, and the pair counts
+        as busy: our heartbeat thread probes the peer too, so the peer hears from us on our
+        own schedule, not only when our reader gets to its pings."""
+        self.on_receipt(env.sender, env.payload)
+        if isinstance(env.payload, dict) and env.payload.get("want") is True:
+            self.ping(env.sender, want=False, timeout=1.0)
+            p = self._peers.get(env.sender)
+            if p is not None:
+                p.last_traffic = time.monotonic()
+
+    def on_receipt(self, peer_id: int, payload: Any) -> None:
+        self._peers.receipt(peer_id, payload.get("rx") if isinstance(payload, dict) else None)
+
+    def receipt_due(self) -> None:
+        """A peer's window to us is a quarter used since our last receipt (dispatch): send it
+        one now, from the heartbeat thread (an I/O thread must not wait on a link)."""
+        self._wanted.set()
+
+    def _depending(self, node_id: int) -> None:
+        """A wait started depending on peer ``node_id`` (under the waits' lock: no blocking).
+        A peer probed and depended on at the last look needs nothing, and a burst of waits
+        wakes the heartbeat thread once: a send held back by flow control, many times a
+        second, must not wake it each time."""
+        p = self._peers.get(node_id)
+        if p is not None and not (p.probed and p.depended) and not p.asked:
+            p.asked = True  # (once until the heartbeat thread looks: a burst of waits wakes it once)
+            self._newly_depended.append(node_id)
+            self._wanted.set()
+
+    def on_bye(self, env: Envelope) -> None:
+        """The peer leaves: take its receipt, answer with ours (it waits for that before
+        closing its links: links are FIFO, so the answer confirms every frame it sent before),
+        and it is lost."""
+        self.on_receipt(env.sender, env.payload)
+        if isinstance(env.payload, dict):
+            self._calls.promised(env.sender, env.payload.get("serving"))
+        p = self._peers.get(env.sender)
+        if p is not None:
+            p.said_goodbye = True
+        try:
+            self._sender.send_control(env.sender, REP_OK, {"rx": p.rx if p is not None else 0}, 2.0, env.corr)
+        except Exception as exc:
+            log.debug("node %d: could not answer the farewell of node %d: %s", self.node_id, env.sender, exc)
+        self._peers.lose(env.sender, "stopped (it called stop())")
+
+    def ping(self, peer_id: int, *, want: bool, timeout: float) -> None:
+        """Send ``peer_id`` our receipt; ``want``: ask for its receipt back."""
+        p = self._peers.get(peer_id)
+        if p is None or p.lost:
+            return
+        rx = p.rx
+        due, p.receipt_due = p.receipt_due, False
+        try:
+            self._sender.send_control(peer_id, PING, {"rx": rx, "want": want}, timeout)
+            p.last_sent = time.monotonic()
+            p.rx_told = rx
+        except MQError as exc:  # a full link: the data itself shows we are alive
+            # A receipt it waits for is tried again next tick: its sender may be blocked on it.
+            p.receipt_due = p.receipt_due or due
+            log.debug("node %d: heartbeat to node %d: %s", self.node_id, peer_id, exc)
+
+    # ------------------------------------------------------------------ waits
+    def flush(self, peer: int, timeout: float) -> None:
+        """Block until the (joined) ``peer`` confirmed every counted frame sent to it so far."""
+        p = self._peers.by_id[peer]
+        target = p.tx
+        deadline = time.monotonic() + timeout
+        self.ping(peer, want=True, timeout=timeout)
+
+        def done() -> bool:
+            if p.acked >= target:  # (a peer that left after confirming everything: flushed)
+                return True
+            if p.lost:
+                raise PeerLost(f"node {peer} {p.lost}; it never confirmed {target - p.acked} of the "
+                               f"{target} frames sent to it")
+            return False
+
+        with self._waits.depend((peer,)):
+            self._waits.until(done, deadline, on=(p,), what=lambda: f"node {peer} confirmed {p.acked} of "
+                                                               f"{target} frames within {timeout:g}s")
+
+    def farewell(self, deadline: float) -> dict[int, int]:
+        """Tell every live peer we leave (BYE, with our receipt) and wait until ``deadline``
+        for its answer: links are FIFO, so an answer means it took every frame we sent before,
+        and closing loses nothing. Returns ``{peer: frames it never confirmed}`` for the peers
+        that did not answer in time (their frames may be lost: the caller says so)."""
+        live = self._peers.live()
+        answered: set[int] = set()
+        with contextlib.ExitStack() as calls:
+            waiting = {}
+            for peer in live:
+                corr = self._calls.new_corr()
+                fut = calls.enter_context(self._calls.pending(peer, corr))
+                try:
+                    bye = {"rx": self._peers.by_id[peer].rx, "serving": self._calls.farewell(peer)}
+                    # a dead peer fails fast (PeerLost); a slow one gets time
+                    left = max(0.0, deadline - time.monotonic())
+                    self._sender.send_control(peer, BYE, bye, min(left, max(1.0, left / 2)), corr)
+                    waiting[peer] = fut
+                except Exception as exc:  # a dead (or full) peer must not delay our stop
+                    log.debug("node %d: no farewell to node %d: %s", self.node_id, peer, exc)
+
+            def settled() -> bool:  # every answer in, or its peer lost meanwhile (a moment ago: an
+                # answer sent just before its link closed may still be on the other link of the pair)
+                now = time.monotonic()
+                return all(fut.done() or ((p := self._peers.by_id[peer]).lost and now - p.lost_at > ANSWER_GRACE_S)
+                           for peer, fut in waiting.items())
+
+            try:
+                with self._waits.depend(waiting):  # a peer that froze meanwhile is judged silent
+                    self._waits.until(settled, deadline, on=tuple(waiting.values()), states=LIVE_OR_STOPPING)
+            except MQError:
+                pass  # out of time: the peers that did not answer are reported below
+            for peer, fut in waiting.items():
+                if fut.done() and fut.exception() is None:
+                    self.on_receipt(peer, waits.result(fut, 0))
+                    answered.add(peer)
+        unconfirmed = {}
+        for peer in live:
+            p = self._peers.by_id[peer]
+            if peer not in answered and p.tx > p.acked:
+                unconfirmed[peer] = p.tx - p.acked
+        return unconfirmed
+
+    # ------------------------------------------------------------------ the heartbeat thread
+    def run(self, housekeeping: Callable[[float], None]) -> None:
+        """The heartbeat thread: probe peers (a ping carries our receipt), declare silent
+        probed peers lost (:meth:`_look_at`), and call ``housekeeping(now)`` (the join's
+        expiries) every tick."""
+        busy_tick = min(self.heartbeat, 0.5)
+        tick = busy_tick
+        last = time.monotonic()
+        # Also while stopping: stop()'s drain waits for peers' answers, and a peer that froze
+        # meanwhile must be judged silent (and the drain end) within peer_timeout.
+        while self._life.state in ("listening", "stopping"):
+            if self._wanted.wait(max(0.0, last + tick - time.monotonic())):
+                self._wanted.clear()
+                self._send_due_receipts()
+                if self._probe_new_dependents():
+                    tick = busy_tick  # a peer probed now is probed every heartbeat from now on
+                if time.monotonic() < last + tick:
+                    continue
+            now = time.monotonic()
+            if now - last > tick + 1.0:
+                # We were not scheduled (a loaded machine, a long GIL hold): frames may be waiting
+                # unread, so nobody's silence is proven. Judge again from now on.
+                self._stalled_until = max(self._stalled_until, now + self.heartbeat)
+            last = now
+            self._send_due_receipts()  # those whose last try failed
+            stalled = self._busy > 0  # our reader holds frames unread: everyone hears from us
+            depended, idle_since = self._waits.depended, now - self.idle_after
+            probing = False
+            for p in self._peers.list():
+                if p.lost:
+                    continue
+                if p.marks[0] != p.tx or p.marks[1] != p.rx:  # frames counted either way since the last look
+                    p.marks, p.last_traffic = (p.tx, p.rx), now
+                elif (not p.probed and p.last_traffic <= idle_since and p.rx == p.rx_told
+                      and not stalled and p.node_id not in depended):
+                    continue  # idle, and known so: the common case in a large mesh (inlined)
+                self._look_at(p, now, stalled)
+                probing = probing or p.probed
+            # Nobody to probe: tick slowly. A wait that comes to depend on a peer wakes us
+            # (_depending), and traffic is noticed at the next tick (its silence counts from then).
+            tick = busy_tick if probing else max(busy_tick, IDLE_TICK_S)
+            housekeeping(now)
+
+    def _probe_new_dependents(self) -> bool:
+        """Probe the peers waits came to depend on (now, not at the next tick); True if any."""
+        now, stalled, probed = time.monotonic(), self._busy > 0, False
+        while self._newly_depended:
+            p = self._peers.get(self._newly_depended.popleft())
+            if p is not None:
+                p.asked = False
+                if not p.lost:
+                    self._look_at(p, now, stalled)
+                    probed = True
+        return probed
+
+    def _look_at(self, p: Peer, now: float, stalled: bool) -> None:
+        """One heartbeat tick for peer ``p``: probe it and judge its silence, while it is worth
+        it. A pair that exchanged data or calls within ``idle_after``, a peer some wait of ours
+        depends on, and every peer while our reader is stalled, are probed every ``heartbeat``
+        and lost after ``peer_timeout`` of silence. Any other peer is idle: it costs nothing
+        (a mesh of N nodes would otherwise ping N*(N-1) times a heartbeat, doing nothing),
+        and its silence proves nothing until probing resumes (then counted from then on)."""
+        depended = self._waits.depends_on(p.node_id) or stalled
+        if not depended and now - p.last_traffic >= self.idle_after:
+            p.probed = p.depended = False
+            if p.rx != p.rx_told:
+                self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))  # the receipt it is owed
+            return
+        if not p.probed or (depended and not p.depended):
+            # Probing resumes, or a wait came to depend on it (an idle peer answers only when
+            # asked): its silence counts from now, and it is asked at once.
+            p.probed, p.judged_from = True, now
+            p.last_sent = 0.0
+        p.depended = depended
+        if now - p.last_sent >= self.heartbeat:
+            # An idle peer does not probe us back: asked to answer (want), it does so at once.
+            self.ping(p.node_id, want=depended, timeout=min(self.heartbeat, 0.5))
+        # Its silence counts while it must be talking: it answers our pings while we depend on
+        # it; otherwise it pings only until its own idle_after since the pair's traffic, which it
+        # may have noticed up to a tick before we did: we stop judging a tick early.
+        judging = depended or now - p.last_traffic < self.idle_after - IDLE_TICK_S
+        silent = now - max(p.last_seen, p.judged_from)
+        if judging and silent > self.peer_timeout and now > self._stalled_until and not self._busy:
+            self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
+                                        "crashed or the network between us is down)")
+
+    def _send_due_receipts(self) -> None:
+        for p in self._peers.list():
+            if p.receipt_due and not p.lost:
+                self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))
