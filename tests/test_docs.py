@@ -166,7 +166,7 @@ def test_the_layout_table_names_every_module_of_mq():
     named = set(re.findall(r"`(mq/[A-Za-z0-9_/]+(?:\.py)?)`", table))
     here = {f"mq/{p.name}" for p in (ROOT / "mq").glob("*.py")}
     here |= {f"mq/{p.name}/" for p in (ROOT / "mq").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    for package in ("node", "wire", "datapaths", "fanout"):  # the library's own layers: every module
+    for package in ("node", "wire", "datapaths", "fanout", "launch"):  # the library's own layers: every module
         here |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "mq" / package).rglob("*.py")
                  if p.name != "__init__.py"}
     missing = sorted(m for m in here if m not in named and m.rstrip("/") not in named)

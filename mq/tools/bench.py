@@ -96,7 +96,7 @@ from typing import Any, Callable, Sequence, cast
 
 from mq.errors import ConfigError
 from mq.registry import launchable_mq_types
-from mq.supervise import stop_signals_raise
+from mq.launch.supervise import stop_signals_raise
 from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
     ROW_FIELDS, SUITE_DEVICES, TARGETS, add_link_fractions, Report, _read, _targets, check_line, fmt_ms, fmt_ratio,
     gpu_pivot, machine_info, machine_line, pivot, plot, ratio_limit, row_label, row_note, to_csv, to_json,

@@ -11,7 +11,7 @@ import multiprocessing.spawn as mp_spawn
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from mq.supervise import stop_processes
+from mq.launch.supervise import stop_processes
 from mq.tools.bench_workers import worker
 
 log = logging.getLogger("mq.tools.bench")

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mq.platforms.plan import free_port
-from mq.supervise import die_with_parent as _die_with_parent
+from mq.launch.supervise import die_with_parent as _die_with_parent
 
 __all__ = ["FanoutRow", "run", "table"]
 

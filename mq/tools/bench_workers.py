@@ -22,7 +22,7 @@ import traceback
 import warnings
 from typing import Any
 
-from mq.supervise import die_with_parent
+from mq.launch.supervise import die_with_parent
 from mq.tools.bench_endpoint import (
     CONNECT_TIMEOUT_S, STREAM_BATCH_WINDOW, Closed, Endpoint, echo_back, hard_timeout, host_array,
     recv_exactly,

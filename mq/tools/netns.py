@@ -41,7 +41,7 @@ import tempfile
 import threading
 from typing import Sequence
 
-from mq.supervise import die_with_parent
+from mq.launch.supervise import die_with_parent
 from mq.tools.errors import ToolError
 
 __all__ = [
