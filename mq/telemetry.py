@@ -23,6 +23,8 @@ from mq.errors import MQError
 
 TOPIC = "_mq.metrics"
 CALL_TIMEOUT_S = 2.0
+#: The label of a watcher's node (``mq top``): the nodes it asks leave it out of what they show.
+WATCHER = "watcher"
 
 
 def serve(q: Any) -> None:
@@ -31,11 +33,17 @@ def serve(q: Any) -> None:
 
 
 def _answer(q: Any, request: Any) -> dict[str, Any]:
-    nodes = {str(q.node_id): _plain(q.metrics())}
+    watchers = set(q.peers(WATCHER))  # mq top's own nodes: not part of the job, not in its tables
+    mine = _plain(q.metrics())
+    if watchers:
+        hidden = {str(w) for w in watchers}
+        mine = {k: {p: x for p, x in v.items() if p not in hidden} if isinstance(v, dict) else v
+                for k, v in mine.items()}
+    nodes = {str(q.node_id): mine}
     if isinstance(request, dict) and request.get("relay"):
         asker = request.get("asker")
         for peer in q.peers():
-            if peer != asker:
+            if peer != asker and peer not in watchers:
                 nodes.update(_ask(q, peer, relay=False))
     return nodes
 

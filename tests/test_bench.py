@@ -113,7 +113,7 @@ def test_format_size_round_trips_the_default_sizes():
 @pytest.mark.timeout(10)
 def test_route_rdma_only_by_name_across_hosts_on_nodes_made_with_rdma_tcp(monkeypatch):
     import mq
-    from mq.tools import bench_workers
+    from mq.tools.bench import workers as bench_workers
 
     assert "rdma" in lib.ROUTES and "rdma" not in lib.NNG_ROUTES  # never measured by default
     cfg = lib.BenchConfig(mq_types=["nng"], routes=["rdma", "tcp"], hosts=("same", "two")).validate()
@@ -287,7 +287,7 @@ def test_stream_is_lossless_and_compared_with_raw_push_pull():
 
 @pytest.mark.timeout(10)
 def test_stream_receiver_counts_gaps_and_the_sender_rejects_them():
-    from mq.tools.bench_endpoint import StreamSequence, check_stream_ack
+    from mq.tools.bench.endpoint import StreamSequence, check_stream_ack
 
     seq = StreamSequence(3)
     assert [seq.feed(i) for i in range(3)] == [None, None, (3, 0)]
@@ -518,7 +518,7 @@ def test_two_hosts_without_namespaces_is_a_clear_error(monkeypatch):
 def test_fanout_over_namespace_hosts_reports_mq_and_raw_tcp_rows():
     """`--hosts`: every row has samples, and the raw tcp rows (the machine's bound for one
     copy per host) are measured in the same run, each host's receiver getting every byte."""
-    from mq.tools import bench_fanout
+    from mq.tools.bench import fanout as bench_fanout
 
     rows, info = bench_fanout.run(2 << 20, [2], subscribers=2, samples=2, rounds=1,
                                   shapes=("tree",))
@@ -536,7 +536,7 @@ def test_fanout_over_namespace_hosts_reports_mq_and_raw_tcp_rows():
 
 
 def test_two_hosts_rows_give_their_fraction_of_the_link_measured_in_the_same_run():
-    from mq.tools.bench_report import add_link_fractions
+    from mq.tools.bench.report import add_link_fractions
 
     rows = [{"kind": "mq", "hosts": "two", "gbps": 18.0}, {"kind": "mq", "hosts": "same", "gbps": 40.0},
             {"kind": "bound", "hosts": "two", "gbps": 100.0}, {"kind": "mq", "hosts": "two", "gbps": None}]
@@ -578,7 +578,7 @@ def test_a_two_host_report_says_whose_cpus_the_hosts_shared(monkeypatch):
 def test_fanout_with_a_link_rate_caps_every_hosts_uplink():
     """``--link-rate``: a raw transfer to another host cannot beat the cap (2 MiB at 1 Gbit/s
     takes 16.8 ms; the veth alone moves it in a few ms), and the table says the cap."""
-    from mq.tools import bench_fanout
+    from mq.tools.bench import fanout as bench_fanout
 
     rows, info = bench_fanout.run(2 << 20, [2], subscribers=2, samples=2, rounds=1, shapes=("tree",),
                                   same_host=False, link_rate="1gbit")
@@ -594,7 +594,7 @@ def test_fanout_with_a_link_rate_caps_every_hosts_uplink():
 def test_loaded_rows_are_judged_against_pynng_and_pyzmq_under_the_same_load():
     """Issue 45's targets: under load small nng messages <= 1.25x raw pynng and <= 1.5x raw
     pyzmq ipc, both measured under the same load; idle, <= raw pyzmq ipc."""
-    from mq.tools.bench_report import with_load
+    from mq.tools.bench.report import with_load
 
     def row(kind, mq_type, route, p50, ratio=None):
         return {"kind": kind, "mq_type": mq_type, "route": route, "resolved_route": route, "hosts": "same",
@@ -631,7 +631,7 @@ def test_bench_fleet_bad_inputs_are_usage_errors_before_any_process_starts(args,
 
 @pytest.mark.timeout(120)
 def test_bench_fleet_runs_a_small_job_and_reports_each_measure():
-    from mq.tools import bench_fleet
+    from mq.tools.bench import fleet as bench_fleet
 
     row = bench_fleet.run(4, 2, idle=1.0, timeout=30.0, settle=0.5)
     assert row["errors"] == [] and row["nodes"] == 4 and row["procs"] == 2

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 from mq.cli.bench import _print_tables, bench
 from mq.tools import bench as lib
-from mq.tools.bench_cases import SizeResult
-from mq.tools.bench_gpu import BIG, SMALL, gpu_checks
-from mq.tools.bench_rows import report_rows
+from mq.tools.bench.cases import SizeResult
+from mq.tools.bench.gpu import BIG, SMALL, gpu_checks
+from mq.tools.bench.rows import report_rows
 
 MB = 1 << 20
 
@@ -215,7 +215,7 @@ def test_a_cpu_report_has_no_gpu_section():
 @pytest.mark.timeout(120)
 def test_stop_reads_what_a_worker_said_before_it_exited():
     """B's arrival devices come with its goodbye; a worker that already exited still counts."""
-    from mq.tools.bench_cases import WorkerProc
+    from mq.tools.bench.cases import WorkerProc
 
     runner = lib._Runner(_cfg(device="cpu", mq_types=["nng"]), None)
     p = WorkerProc(runner.ctx, "A", {"kind": "bound", "device": "cpu", "route": "warm", "mode": "bound"})

@@ -528,3 +528,17 @@ def test_the_ports_a_launch_picks_are_different_even_when_two_picks_are_the_same
     repeating = LocalJob(**{**job.__dict__, "pick_port": lambda _host, seq=iter([30001, 30001, 30002, 30003]): next(seq)})
     listen = [o["listen_to"] for o in backend_for("nng").launch.local_options(repeating).values()]
     assert sorted(listen) == [f"tcp://127.0.0.1:{p}" for p in (30001, 30002, 30003)], listen
+
+
+def test_mq_run_keeps_each_workers_lines_whole_and_says_whose_they_are():
+    r = mq_cli("run", "--main", "tests.jobs.roles:chatty", "-n", "3", "--mq-type", "nng")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 60, r.stdout
+    for line in lines:
+        m = re.fullmatch(r"\[node (\d)\] piece \d+ of node (\d) end", line)
+        assert m and m.group(1) == m.group(2), f"a line run together or without its node: {line!r}"
+    for n in range(3):
+        assert f"[node {n}] stderr of node {n}" in r.stderr.splitlines(), r.stderr
+    raw = mq_cli("run", "--main", "tests.jobs.roles:chatty", "-n", "1", "--mq-type", "nng", "--no-prefix")
+    assert raw.returncode == 0 and raw.stdout.splitlines()[0] == "piece 0 of node 0 end", raw.stdout

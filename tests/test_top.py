@@ -116,6 +116,7 @@ def test_top_json_numbers_agree_with_what_was_sent(job):
     assert got["latency_p50_ms"] is not None and 0 <= got["latency_p50_ms"] <= got["latency_p99_ms"] < 5000
     assert nodes["0"]["policy_lag"] == {"weights": {"1": 0, "2": 1}}
     assert nodes["0"]["routes"]["1"] == nodes["0"]["routes"]["2"] == "shm"
+    assert sorted(nodes["0"]["routes"]) == ["1", "2"], "the watcher (mq top's own node) shows as a peer"
 
 
 def test_top_serves_prometheus_text(job):

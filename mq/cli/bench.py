@@ -67,7 +67,7 @@ def _fail(message: str) -> click.ClickException:
                    "lossless and in order, against raw pynng Push0/Pull0; call: A q.call()s B's "
                    "echo handler (q.on), against raw rpc_sync / pynng Req0-Rep0; fleet: --nodes nodes in "
                    "--procs processes join a full mesh by rendezvous, then idle (join time, the idle "
-                   "job's CPU, the slowest stop; mq.tools.bench_fleet). Repeatable.")
+                   "job's CPU, the slowest stop; mq.tools.bench.fleet). Repeatable.")
 @click.option("--nodes", "fleet_nodes", default="16,64", show_default=True, metavar="LIST",
               help="fleet: job sizes, comma-separated.")
 @click.option("--procs", "fleet_procs", type=click.IntRange(1), default=8, show_default=True,
@@ -101,7 +101,7 @@ def _fail(message: str) -> click.ClickException:
               help="fanout across hosts: spread --subscribers over this many network-namespace "
                    "hosts (comma list, e.g. 2,4), with relaying (tree and star) and without, against "
                    "one subscriber on another host and N vs 1 on the same host, --min-samples per row "
-                   "and round, two rounds (root needed; see mq.tools.bench_fanout).")
+                   "and round, two rounds (root needed; see mq.tools.bench.fanout).")
 @click.option("--link-rate", default=None, metavar="RATE",
               help="--hosts: cap every namespace host's uplink (the publisher's too) at RATE, e.g. "
                    "2gbit or 500mbit (tc tbf), so the network, not this machine's cores, sets the "
@@ -353,7 +353,7 @@ def _print_gpu(console: Any, report: lib.Report) -> None:
 
 
 def _fleet(nodes: str, procs: int, modes: tuple[str, ...], fmt: str) -> None:
-    from mq.tools import bench_fleet
+    from mq.tools.bench import fleet as bench_fleet
 
     if tuple(modes) != ("fleet",):
         raise _fail("--mode fleet goes alone (no other --mode)")
@@ -373,7 +373,7 @@ def _fleet(nodes: str, procs: int, modes: tuple[str, ...], fmt: str) -> None:
 
 def _fanout_across_hosts(fan_hosts: str, modes: tuple[str, ...], sizes: list[int], subscribers: int,
                          samples: int, quiet: bool, link_rate: str | None = None) -> None:
-    from mq.tools import bench_fanout
+    from mq.tools.bench import fanout as bench_fanout
     from mq.tools.netns import unavailable
 
     try:

@@ -105,6 +105,8 @@ def _backend_flags(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--log-level", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="Log level of the workers.")
+@click.option("--prefix/--no-prefix", "prefix_output", default=True, show_default=True,
+              help="Start each line a worker prints with its node ([node 3] ), whole lines only.")
 @click.option("--timeout", "job_timeout", type=float, default=None,
               help="Stop the job after this many seconds (default: no limit).")
 @_backend_flags
@@ -114,7 +116,8 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
         node_ids: str | None, labels: tuple[str, ...], roles: str | None, world_size: int | None,
         init_method: str | None,
         platform: str, ray_address: str | None, ray_resources: tuple[str, ...], startup_interval: float,
-        log_level: str, job_timeout: float | None, args: tuple[str, ...], **backend_flags: Any) -> None:
+        log_level: str, prefix_output: bool, job_timeout: float | None, args: tuple[str, ...],
+        **backend_flags: Any) -> None:
     """Launch this machine's workers of a job; each runs MAIN(ctx) with its open queue.
 
     Extra ARGS after `--` reach the workers as ctx.args["argv"].
@@ -155,7 +158,7 @@ def run(main_: str, package: str | None, parallel_workers: int | None, mq_type: 
             address=address, ports=_int_list(ports, "--ports"), attach_to=attach,
             init_method=init_method, backend_options=given, platform=platform,
             startup_interval=startup_interval, log_level=log_level, package=package,
-            args={"argv": list(args)})
+            args={"argv": list(args)}, prefix_output=prefix_output)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     _exit_on_failure(lambda: run_plan(plan, deadline_s=job_timeout), "workers stopped")

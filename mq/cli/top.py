@@ -100,7 +100,7 @@ def top(attach_to: str, mq_type: str, node_id: int | None, interval: float, once
     addresses = [a.strip() for a in attach_to.split(",") if a.strip()]
     me = (1 << 30) + os.getpid() % (1 << 20) if node_id is None else node_id
     try:
-        q = mq.create(mq_type, me, {"watcher"}, attach_to=addresses, timeout=timeout)
+        q = mq.create(mq_type, me, {telemetry.WATCHER}, attach_to=addresses, timeout=timeout)
     except mq.ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     with q:

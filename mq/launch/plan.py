@@ -107,6 +107,8 @@ class Plan:
     hosts: dict[int, str] = field(default_factory=dict)
     #: Whether a worker passes a job abort on to its peers (they may not reach the failed node).
     relay_abort: bool = False
+    #: Whether each line a worker prints starts with ``[node N] `` (whole lines, never mixed).
+    prefix_output: bool = True
 
 
 # ---------------------------------------------------------------------- resolving main
@@ -225,6 +227,7 @@ class LaunchRequest:
     args: Mapping[str, Any] | None = None
     environ: Mapping[str, str] | None = None
     check_network: bool = True
+    prefix_output: bool = True
 
     def check(self) -> None:
         """ConfigError for an option that is wrong whatever the platform and backend."""
@@ -287,7 +290,8 @@ def make_plan(main: Callable[..., Any] | str, **options: Any) -> Plan:
     return Plan(main=ref, mq_type=mq_type, node_ids=ids, labels=node_labels, options=layout.options,
                 world_size=layout.world_size, args=dict(req.args or {}), log_level=req.log_level,
                 startup_interval=req.startup_interval, package=req.package, topology=req.topology,
-                hosts=layout.hosts, relay_abort=profile.relays_abort(req.topology))
+                hosts=layout.hosts, relay_abort=profile.relays_abort(req.topology),
+                prefix_output=bool(req.prefix_output))
 
 
 def checked_flags(backend: Backend, mq_type: str, given: Mapping[str, Any]) -> dict[str, Any]:

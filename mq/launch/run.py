@@ -5,6 +5,7 @@ calling ``main(ctx)`` with its open queue, supervised until the job ends (the gu
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import logging
 import multiprocessing as mp
@@ -199,11 +200,55 @@ class _WorkerState:
         self.relay = False
 
 
+class _LinePrefix(io.TextIOBase):
+    """A worker's stdout or stderr: each line starts with its node (``[node 3] ``) and is written
+    whole, so the lines of a job's workers say whose they are and never run together. A partial
+    line waits for its end, or for an explicit ``flush()`` (a progress line)."""
+
+    def __init__(self, stream: Any, prefix: str):
+        self._stream, self._prefix = stream, prefix
+        self._pending = ""
+        self._at_start = True
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            if "\n" in self._pending:
+                whole, _, self._pending = self._pending.rpartition("\n")
+                self._emit(whole + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                self._emit(self._pending)
+                self._pending = ""
+            self._stream.flush()
+
+    def _emit(self, text: str) -> None:
+        out = []
+        for line in text.splitlines(keepends=True):
+            out.append(self._prefix + line if self._at_start else line)
+            self._at_start = line.endswith("\n")
+        self._stream.write("".join(out))
+        self._stream.flush()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+
 def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
     # The kernel stops this worker when the launcher dies, so no orphan survives it. SIGTERM,
     # not SIGKILL: the worker then says goodbye and removes its socket file even when the
     # launcher was SIGKILLed; a worker that cannot stop kills itself after GRACE_S.
     die_with_parent(signal.SIGTERM, exit_if_orphaned=True)
+    if plan.prefix_output:
+        sys.stdout = _LinePrefix(sys.stdout, f"[node {node_id}] ")
+        sys.stderr = _LinePrefix(sys.stderr, f"[node {node_id}] ")
     logging.basicConfig(level=plan.log_level.upper(),
                         format=f"%(asctime)s node{node_id} %(name)s %(levelname)s: %(message)s")
     state = _WorkerState()
@@ -246,8 +291,9 @@ def _worker(plan: Plan, node_id: int, reports: Any, announce: Any) -> None:
         telemetry.serve(q)  # every launched node answers `mq top`
         q.listen()
         if node_id == min(plan.node_ids) and "tcp" in q.addresses:  # once per launch: where to watch the job
-            sys.stderr.write(f"mq run: node {node_id} listens on {q.addresses['tcp']}; watch the job with "
-                             f"mq top --attach-to {q.addresses['tcp']}\n")
+            (sys.__stderr__ or sys.stderr).write(  # the launcher's line, not the worker's: no prefix
+                f"mq run: node {node_id} listens on {q.addresses['tcp']}; watch the job with "
+                f"mq top --attach-to {q.addresses['tcp']}\n")
         q.subscribe(ABORT_TOPIC, on_abort)
         fn(Context(node_id, frozenset(labels), q, plan.mq_type, plan.world_size,
                    list(plan.node_ids), dict(plan.args)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import mq
@@ -43,3 +44,13 @@ def sleep_forever(ctx: mq.Context) -> None:
     time.sleep(600)
 
 
+
+
+def chatty(ctx: mq.Context) -> None:
+    """Prints lines in pieces (a partial line, then its end) and to stderr, as a worker's
+    progress output does: mq run must keep each line whole and say whose it is."""
+    for i in range(20):
+        print(f"piece {i} of node {ctx.node_id}", end="")
+        time.sleep(0.002)
+        print(" end")
+    print(f"stderr of node {ctx.node_id}", file=sys.stderr)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from mq.launch.supervise import stop_processes
-from mq.tools.bench_workers import worker
+from mq.tools.bench.workers import worker
 
 log = logging.getLogger("mq.tools.bench")
 

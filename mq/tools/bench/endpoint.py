@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable
 
 
-from mq.tools.bench_units import MB
+from mq.tools.bench.units import MB
 
 
 CONNECT_TIMEOUT_S = 90.0  # spawn + import torch + rendezvous, on a loaded 2-core machine

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mq.tools.bench_report import row_label
-from mq.tools.bench_units import MB
+from mq.tools.bench.report import row_label
+from mq.tools.bench.units import MB
 
 BIG = 1280 * MB  # 1.25 GB
 SMALL = 1280  # 1.25 KB

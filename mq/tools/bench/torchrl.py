@@ -2,7 +2,7 @@
 collection frames/s and weight-update latency (p50, p99) for a small MLP and a 100 MiB policy,
 4 collectors, on one host and across 2 namespace hosts.
 
-    python -m mq.tools.bench_torchrl --out bench-results/torchrl.md
+    python -m mq.tools.bench.torchrl --out bench-results/torchrl.md
 
 Three settings, each case in a process of its own (a fresh torch.distributed, no leftovers):
 
@@ -190,7 +190,7 @@ def _receivers(name: str, kind: str, updates: int, tmp: str, ns: Any, addr: str)
     path, stop = os.path.join(tmp, "scheme.pkl"), os.path.join(tmp, "stop")
     with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
         pickle.dump((name, scheme), f)
-    argv = [sys.executable, "-m", "mq.tools.bench_torchrl", "receiver", path, "", kind, stop]
+    argv = [sys.executable, "-m", "mq.tools.bench.torchrl", "receiver", path, "", kind, stop]
     procs = []
     for w in range(WORKERS):
         cmd = argv[:5] + [str(w)] + argv[6:]
@@ -242,7 +242,7 @@ def cases(updates: int, big_updates: int, two_hosts: bool) -> list[dict[str, Any
 
 def run_case(case: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One case in a fresh process; its result, or why it failed."""
-    argv = [sys.executable, "-m", "mq.tools.bench_torchrl", "case", json.dumps(case)]
+    argv = [sys.executable, "-m", "mq.tools.bench.torchrl", "case", json.dumps(case)]
     started = time.monotonic()
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             out = run_collector(case["setting"], case["scheme"], case["kind"], case["updates"])
         print(json.dumps(out), flush=True)
         os._exit(0)  # process groups and RPC agents of TorchRL's schemes must not hold the exit
-    p = argparse.ArgumentParser(prog="python -m mq.tools.bench_torchrl", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mq.tools.bench.torchrl", description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the Markdown page here")
     p.add_argument("--updates", type=int, default=20, help="updates of the small MLP per case")
     p.add_argument("--big-updates", type=int, default=5, help="updates of the 100 MiB policy per case")
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = [c for c in cases(args.updates, args.big_updates, two_hosts)
             if not args.only or c["setting"] in args.only.split(",")]
     started, results = time.monotonic(), []
-    command = ("python -m mq.tools.bench_torchrl " + " ".join(argv)).strip()
+    command = ("python -m mq.tools.bench.torchrl " + " ".join(argv)).strip()
     for case in todo:
         results.append(run_case(case, args.case_timeout))
         print(json.dumps(results[-1]), flush=True)

@@ -12,11 +12,11 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from mq.tools.bench_endpoint import (
+from mq.tools.bench.endpoint import (
     CONNECT_TIMEOUT_S, Closed, Endpoint, ack_now, ack_ready, echo_back, echo_ready, hard_timeout,
     host_array, recv_exactly,
 )
-from mq.tools.bench_units import MAX_SIZE
+from mq.tools.bench.units import MAX_SIZE
 
 
 class SocketEndpoint(Endpoint):

@@ -1,7 +1,7 @@
 """The worker side of ``mq bench``: what runs in the spawned A and B processes.
 
 Each row kind has an endpoint class (mq's and the physical bounds here, the raw libraries' in
-:mod:`mq.tools.bench_raw`, their base in :mod:`mq.tools.bench_endpoint`); the orchestrator
+:mod:`mq.tools.bench.raw`, their base in :mod:`mq.tools.bench.endpoint`); the orchestrator
 (:mod:`mq.tools.bench`) drives it over a pipe with ``connect`` / ``batch`` / ``free`` /
 ``stop`` commands (see :func:`worker`).
 """
@@ -23,12 +23,12 @@ import warnings
 from typing import Any
 
 from mq.launch.supervise import die_with_parent
-from mq.tools.bench_endpoint import (
+from mq.tools.bench.endpoint import (
     CONNECT_TIMEOUT_S, STREAM_BATCH_WINDOW, Closed, Endpoint, echo_back, hard_timeout, host_array,
     recv_exactly,
 )
-from mq.tools.bench_raw import PynngEndpoint, RpcEndpoint, StreamEndpoint, ZmqEndpoint
-from mq.tools.bench_units import GB, MAX_SIZE, MB
+from mq.tools.bench.raw import PynngEndpoint, RpcEndpoint, StreamEndpoint, ZmqEndpoint
+from mq.tools.bench.units import GB, MAX_SIZE, MB
 
 
 class _BoundEndpoint(Endpoint):

@@ -39,7 +39,7 @@ from mq.launch.supervise import die_with_parent as _die_with_parent
 
 __all__ = ["FanoutRow", "run", "table"]
 
-_WORKER = [sys.executable, "-m", "mq.tools.bench_fanout"]
+_WORKER = [sys.executable, "-m", "mq.tools.bench.fanout"]
 
 
 @dataclass
@@ -250,7 +250,7 @@ def table(rows: list[FanoutRow], info: dict[str, Any]) -> str:
 
 
 def _raw_receiver() -> None:
-    """``python -m mq.tools.bench_fanout raw HOST PORT SIZE``: read SIZE bytes per message into
+    """``python -m mq.tools.bench.fanout raw HOST PORT SIZE``: read SIZE bytes per message into
     one warm buffer, answer each with one byte."""
     _die_with_parent()
     host, port, size = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -270,7 +270,7 @@ def _raw_receiver() -> None:
 
 
 def _subscriber() -> None:
-    """A bench subscriber: ``python -m mq.tools.bench_fanout ID LISTEN N ATTACH...``; acks each
+    """A bench subscriber: ``python -m mq.tools.bench.fanout ID LISTEN N ATTACH...``; acks each
     message to node 0 once it is in its handler."""
     import mq
 

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from mq.tools.bench_units import GB, KB, format_size
+from mq.tools.bench.units import GB, KB, format_size
 
 ROW_FIELDS = (
     "kind", "mq_type", "route", "resolved_route", "hosts", "device", "size", "size_bytes",
@@ -64,7 +64,7 @@ class Report:
     config: dict[str, Any]
     targets: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
-    # The GPU pass lines (mq.tools.bench_gpu.gpu_checks): name, value, limit, unit, passed,
+    # The GPU pass lines (mq.tools.bench.gpu.gpu_checks): name, value, limit, unit, passed,
     # row, note; [] for a run without CUDA payloads.
     checks: list[dict[str, Any]] = field(default_factory=list)
 

@@ -9,7 +9,7 @@ left idle (issue 49). What it measures, per run:
 
 ::
 
-    python -m mq.tools.bench_fleet --nodes 64 --procs 8 [--idle 10] [--json FILE]
+    python -m mq.tools.bench.fleet --nodes 64 --procs 8 [--idle 10] [--json FILE]
     mq bench --mode fleet --nodes 16,64 --procs 8        # the same, as a table
 
 A process holds ``N / P`` nodes (its threads join them side by side, as a process with several
@@ -78,7 +78,7 @@ def run(nodes: int, procs: int, idle: float, timeout: float, settle: float = 15.
         raise SystemExit(f"--nodes {nodes} must be a multiple of --procs {procs}")
     each, port = nodes // procs, free_port()
     began = time.monotonic()
-    children = [subprocess.Popen([sys.executable, "-m", "mq.tools.bench_fleet", "--worker",
+    children = [subprocess.Popen([sys.executable, "-m", "mq.tools.bench.fleet", "--worker",
                                   str(p * each), str(each), str(nodes), str(port), str(timeout)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 for p in range(procs)]

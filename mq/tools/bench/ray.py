@@ -1,6 +1,6 @@
 """mq against Ray's own ways of moving data between Ray actors, in one run:
 
-    python -m mq.tools.bench_ray --out bench-results/ray.md     # needs root for the 2-host rows
+    python -m mq.tools.bench.ray --out bench-results/ray.md     # needs root for the 2-host rows
 
 It starts its own Ray cluster (a head here; with ``--hosts 2`` also a second Ray node on a
 namespace host, :mod:`mq.tools.netns`) and, per placement (both actors on one Ray node, or one
@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from mq.tools.bench_units import format_size, parse_size
+from mq.tools.bench.units import format_size, parse_size
 
 SIZES = "1.25KB,20KB,1.25MB,10MB,40MB,640MB"
 WEIGHT_SIZES = "1.25MB,10MB,100MB"
@@ -283,7 +283,7 @@ def report(rt_rows: list[dict[str, Any]], up_rows: list[dict[str, Any]], argv: l
     lines = ["# mq between Ray actors, against Ray's own ways", "",
              f"Run {now}, machine: {os.cpu_count()} cores, {platform.release()}; Python {platform.python_version()}, "
              f"Ray {ray.__version__}, torch {torch.__version__}. Total {seconds:.0f} s.", "",
-             "```bash", "python -m mq.tools.bench_ray " + " ".join(argv), "```", "",
+             "```bash", "python -m mq.tools.bench.ray " + " ".join(argv), "```", "",
              (__doc__ or "").split("\n\n", 2)[2].split("\n\nTimes are")[0].strip(), "",
              "## Round trip A -> B -> A (ms)", "",
              "| placement | size | mq p50 | ray call p50 | ray put/get p50 | mq p99 | ray call p99 | ray put/get p99 "
@@ -310,7 +310,7 @@ def report(rt_rows: list[dict[str, Any]], up_rows: list[dict[str, Any]], argv: l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mq.tools.bench_ray", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mq.tools.bench.ray", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default=SIZES, help=f"round-trip sizes [default: {SIZES}]")
     parser.add_argument("--weight-sizes", default=WEIGHT_SIZES, help=f"weight update sizes [default: {WEIGHT_SIZES}]")
     parser.add_argument("--samples", type=int, default=50, help="samples per row (fewer for large sizes)")

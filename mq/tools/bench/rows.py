@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mq.tools.bench_cases import HOSTS, Case, SizeResult
-from mq.tools.bench_endpoint import MODES
-from mq.tools.bench_units import format_size
+from mq.tools.bench.cases import HOSTS, Case, SizeResult
+from mq.tools.bench.endpoint import MODES
+from mq.tools.bench.units import format_size
 
 
 def _stats(samples_ns: list[int]) -> dict[str, float]:

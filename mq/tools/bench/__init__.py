@@ -70,7 +70,7 @@ the receiver also copies the view into an owned, preallocated CUDA tensor ("view
 TensorPipe hands over) before it counts. The bound of CUDA rows is one device-to-device copy
 (``d2d``: ``dst.copy_(src)`` into a warm tensor on the same GPU, timed by CUDA events), and
 every mq CUDA row also gets its ratio to raw torch RPC cuda (``rpc_cuda_ratio``). The report's
-``checks`` are the GPU pass lines (:mod:`mq.tools.bench_gpu`).
+``checks`` are the GPU pass lines (:mod:`mq.tools.bench.gpu`).
 
 Sampling: per (row, size) a warm-up (excluded) estimates one round trip; the row then takes
 ``target_seconds`` worth of samples (clamped to ``min_samples..max_samples``) in batches of
@@ -97,21 +97,21 @@ from typing import Any, Callable, Sequence, cast
 from mq.errors import ConfigError
 from mq.registry import launchable_mq_types
 from mq.launch.supervise import stop_signals_raise
-from mq.tools.bench_report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
+from mq.tools.bench.report import (  # noqa: F401 (re-exported: mq.tools.bench is the API)
     ROW_FIELDS, SUITE_DEVICES, TARGETS, add_link_fractions, Report, _read, _targets, check_line, fmt_ms, fmt_ratio,
     gpu_pivot, machine_info, machine_line, pivot, plot, ratio_limit, row_label, row_note, to_csv, to_json,
     to_markdown, with_load, write_all,
 )
-from mq.tools.bench_units import (  # noqa: F401
+from mq.tools.bench.units import (  # noqa: F401
     DEFAULT_SIZES, GB, KB, MAX_SIZE, MB, format_size, parse_size, parse_sizes,
 )
-from mq.tools.bench_cases import (  # cuda_available: the CLI's
+from mq.tools.bench.cases import (  # cuda_available: the CLI's
     HOSTS, Case, SizeResult, WorkerFailed, WorkerProc, cuda_available, mq_type_unavailable,
     pool_api_missing, rdma_unavailable, rpc_unavailable, zmq_installed,
 )
-from mq.tools.bench_endpoint import CONNECT_TIMEOUT_S, MODES, hard_timeout
-from mq.tools.bench_gpu import gpu_checks
-from mq.tools.bench_rows import report_rows
+from mq.tools.bench.endpoint import CONNECT_TIMEOUT_S, MODES, hard_timeout
+from mq.tools.bench.gpu import gpu_checks
+from mq.tools.bench.rows import report_rows
 
 log = logging.getLogger("mq.tools.bench")
 
