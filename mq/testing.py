@@ -25,6 +25,7 @@ import os
 import pickle
 import queue
 import secrets
+import signal
 import socket
 import tempfile
 import threading
@@ -287,6 +288,24 @@ def stop_processes(*procs: Any) -> None:
         p.wait(10)
         p.stdout.close()
         p.stderr.close()
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped. Not at once on a busy
+    machine: the kernel hands SIGSTOP to one thread, and the others run on (reading a frame,
+    answering it) until that thread gets a CPU and stops the group."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        try:
+            states = [open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()[0]
+                      for tid in os.listdir(f"/proc/{pid}/task")]
+        except (FileNotFoundError, ProcessLookupError):  # it died meanwhile: nothing answers either
+            return True
+        return all(state in "tTZX" for state in states)
+
+    if not wait_until(stopped, timeout):
+        raise TimeoutError(f"process {pid} did not stop within {timeout:g}s of SIGSTOP")
 
 
 def wait_until(cond: Any, timeout: float = 10.0) -> bool:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import mq
+from mq.testing import freeze
 from mq.node.liveness import IDLE_AFTER_TIMEOUTS, IDLE_TICK_S
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,7 +97,7 @@ def test_a_wait_on_a_peer_that_froze_while_idle_ends_with_peer_lost(op):
             if stream is not None:
                 assert stream.recv(timeout=20).payload == 1
             _wait_idle([node])  # the pair is idle: nothing is probed
-            os.kill(proc.pid, signal.SIGSTOP)  # frozen: its sockets stay open, it answers nothing
+            freeze(proc.pid)  # frozen (every thread): its sockets stay open, it answers nothing
             began = time.monotonic()
             with pytest.raises(mq.PeerLost, match="node 1 (went silent|left the job)"):
                 if stream is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -412,3 +413,36 @@ def test_a_socket_nobody_closed_collected_on_nngs_thread_does_not_hang_the_proce
     job = subprocess.run([sys.executable, "-m", "tests.jobs.orphan_socket", str(tmp_path)],
                          capture_output=True, text=True, timeout=30)
     assert job.returncode == 0 and job.stdout.strip() == "ok", job.stderr[-2000:]
+
+
+def test_the_poll_set_follows_its_sources_and_a_reused_fd_is_a_new_source():
+    """The I/O thread's epoll set is updated in place as links come and go: a link closed and
+    another opened on the same fd number (the kernel reuses the lowest) must be waited on, or
+    its frames would never be read."""
+    import socket
+
+    from mq.backends.nng.transport import _PollSet
+
+    poller = _PollSet()
+    a, b = socket.socketpair()
+    poller.update({(a.fileno(), "first")})
+    b.send(b"x")
+    assert poller.poll(1000) == [(a.fileno(), select.EPOLLIN)]
+    fd = a.fileno()
+    a.close()
+    b.close()  # the kernel drops a closed fd from the set by itself
+    c, d = socket.socketpair()
+    if c.fileno() != fd:  # make the new link take the old number, as accept() would
+        os.dup2(c.fileno(), fd)
+        c.close()
+        c = socket.socket(fileno=fd)
+    poller.update({(fd, "second")})  # same fd, another link
+    d.send(b"y")
+    assert poller.poll(1000) == [(fd, select.EPOLLIN)]
+    poller.update(set())  # gone: no longer waited on
+    assert poller.poll(0) == []
+    poller.update({(12345, "closed")})  # an fd closed since it was listed: skipped, no error
+    assert poller.poll(0) == []
+    c.close()
+    d.close()
+    poller.close()

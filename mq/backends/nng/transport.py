@@ -372,17 +372,17 @@ class NngTransport(Transport):
                     return
 
     def _poller(self, recv_fd: int) -> Any:
-        """This thread's poll set over every source of frames, rebuilt when links change."""
-        cached = getattr(self._pollers, "entry", None)
-        if cached is not None and cached[0] == self._links_gen:
-            return cached[1]
-        with self._net_lock:
-            gen = self._links_gen
-            fds = [recv_fd, self._wake_r, *self._inbound, *self._watched, *self._listeners]
-        poller = _PollSet(fd for fd in fds if fd >= 0)
-        if cached is not None:
-            cached[1].close()
-        self._pollers.entry = (gen, poller)
+        """This thread's poll set over every source of frames, updated when links change."""
+        poller = getattr(self._pollers, "set", None)
+        if poller is None:
+            poller = self._pollers.set = _PollSet()
+        if poller.gen != self._links_gen:
+            with self._net_lock:  # each source by (fd, which link): a reused fd is a new source
+                poller.gen = self._links_gen
+                sources = {(recv_fd, "nng"), (self._wake_r, "wake"), *((fd, x.link) for fd, x in self._inbound.items()),
+                           *((fd, x[1].serial) for fd, x in self._watched.items()),
+                           *((fd, "listen") for fd in self._listeners)}
+            poller.update({(fd, key) for fd, key in sources if fd >= 0})
         return poller
 
     def _serve(self, events: list[tuple[int, int]], recv_fd: int, budget: int) -> bool:
@@ -595,17 +595,37 @@ def _tls_config(files: dict[str, str], mode: int, server_name: str | None = None
 class _PollSet:
     """The fds one thread waits on, as ``select.poll`` takes them (``poll(ms)`` -> ``[(fd,
     events)]``) but through epoll: ``poll()`` costs the kernel a visit to every fd at every
-    call, and an idle node of a large mesh waits on one fd per peer twice a second."""
+    call, and an idle node of a large mesh waits on one fd per peer twice a second.
 
-    __slots__ = ("_epoll",)
+    It is updated in place as links come and go (only the changes reach the kernel): rebuilding
+    it cost a joining node of an N-node mesh O(N) calls per new link, and a new epoll fd each
+    time, which a process near its fd limit did not have (EMFILE killed the I/O thread)."""
 
-    def __init__(self, fds: Any):
+    __slots__ = ("_epoll", "_sources", "gen")
+
+    def __init__(self) -> None:
         self._epoll = select.epoll()
-        for fd in fds:
+        self._sources: set[tuple[int, Any]] = set()  # (fd, which source it is)
+        self.gen = -1  # the transport's links generation it reflects
+
+    def update(self, sources: set[tuple[int, Any]]) -> None:
+        """Wait on exactly ``sources`` from now on: unregister what went (first: a reused fd
+        number is unregistered, then registered as the new source), register what came."""
+        for fd, _ in self._sources - sources:
+            try:
+                self._epoll.unregister(fd)
+            except (OSError, ValueError):  # closed already: the kernel dropped it itself
+                pass
+        kept = self._sources & sources
+        for fd, key in sources - self._sources:
             try:
                 self._epoll.register(fd, select.EPOLLIN)
-            except OSError:  # closed since it was listed (a link went, a stop): the set is rebuilt
+                kept.add((fd, key))
+            except FileExistsError:  # the same fd is also another source (never, but harmless)
+                kept.add((fd, key))
+            except OSError:  # closed since it was listed (a link went, a stop): the next update
                 pass
+        self._sources = kept
 
     def poll(self, ms: int) -> list[tuple[int, int]]:
         return self._epoll.poll(ms / 1000 if ms >= 0 else -1)

@@ -10,6 +10,7 @@ hosts) subclass these with their own wire format; the nng transport reads and wr
 from __future__ import annotations
 
 import errno
+import itertools
 import select
 import socket
 import threading
@@ -19,6 +20,8 @@ from typing import Any, Callable
 from mq.wire import handshake
 from mq.errors import ClosedError, Oversized
 from mq.node.waits import LIVE_OR_STOPPING, Waits
+
+_SERIALS = itertools.count()  # one per outgoing link of this process: its identity beside its fd
 
 
 def listener(family: int, kind: int, proto: int, address: Any) -> socket.socket:
@@ -95,6 +98,7 @@ class Sender:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()
+        self.serial = next(_SERIALS)
         self._lost = lost
         self._lock = threading.Lock()  # the link, one frame at a time: only tried, waited on through waits
         self.waits = waits or Waits()
