@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -217,4 +218,5 @@ def test_bad_job_found_by_the_nodes(labels, expected):
             "args={'config': {'env': 'CartPole-v1', 'join_timeout': 30}})")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=80)
     assert p.returncode != 0, explain(p)
-    assert any(line.startswith(expected) for line in p.stderr.splitlines()), explain(p)
+    # (each line of a worker starts with its node, as mq run prints it: "[node 0] error: ...")
+    assert any(re.sub(r"^\[node \d+\] ", "", line).startswith(expected) for line in p.stderr.splitlines()), explain(p)
