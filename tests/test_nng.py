@@ -265,6 +265,7 @@ def test_a_burst_behind_a_busy_pipe_is_batched_lossless_and_in_order(batching_no
         for i in range(n):
             node.send(1, "work", {"i": i, "x": x}, timeout=20)
         report = node.recv(timeout=30).payload
+        node.flush(1, timeout=10)  # its receipt of the last frames, before the peer is killed
     assert report["got"] == list(range(n))
     assert report["batched"] >= n // 4 and report["largest"] > 8, report
 

@@ -154,7 +154,8 @@ def test_a_sender_blocked_on_the_rdma_pool_survives_its_peer():
     _check(rc, out, report, 4)
     assert {r.get("route_kind") for r in report["runs"]} == {"rdma"}
     pool = [r for r in report["runs"] if r["op"] == "send-pool"]
-    assert all("rdma_path.py:take" in r["blocked_in"] for r in pool), [r["blocked_in"] for r in pool]
+    # blocked waiting for a segment of the send pool (mq.datapaths.base.SegmentPool: rdma's pool here)
+    assert all("datapaths/base.py:_wait_for_segment" in r["blocked_in"] for r in pool), [r["blocked_in"] for r in pool]
 
 
 def test_torch_rpc_survives_its_peer():

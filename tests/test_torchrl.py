@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -412,7 +413,8 @@ def test_the_dqn_example_learns_with_collectors_on_two_namespace_hosts(two_hosts
                 p.wait(10)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, f"exit {p.returncode}\n{out[-3000:]}\n{err[-3000:]}"
-    report = json.loads([line for line in outs[0][0].splitlines() if line.startswith("{")][-1])
+    lines = [re.sub(r"^\[node \d+\] ", "", line) for line in outs[0][0].splitlines()]  # mq run's prefix
+    report = json.loads([line for line in lines if line.startswith("{")][-1])
     print(json.dumps({k: report[k] for k in ("mean_return_last_10", "frames", "updates", "seconds", "routes")}))
     assert report["ok"] and report["mean_return_last_10"] >= 100, report
     assert report["weights"]["torchrl.policy"]["updates"] >= 2

@@ -136,7 +136,7 @@ def _blocked_in(ident: int | None, depth: int = 3) -> str:
     # (mq/node/waits.py is where every wait ends up: the frames that called it say which wait it is)
     ours = [f for f in traceback.extract_stack(frame)
             if f.filename.startswith(_MQ_DIR) and not f.filename.startswith(os.path.join(_MQ_DIR, "tools"))
-            and f.filename != os.path.join(_MQ_DIR, "waits.py")]
+            and f.filename != os.path.join(_MQ_DIR, "node", "waits.py")]
     if not ours:
         return "-"
     names = [f"{os.path.relpath(f.filename, _MQ_DIR)}:{f.name}" for f in ours]
