@@ -25,7 +25,7 @@ def main(ctx: mq.Context) -> None:
     q.wait_for_peers(others, timeout=30)
     routes = ", ".join(f"node {p} ({'/'.join(sorted(q.labels_of(p) or ())) or '-'}): {r.kind}"
                        for p, r in sorted(q.routes().items()))
-    print(f"[node {ctx.node_id} {role}] routes: {routes}", flush=True)
+    print(f"{role}: routes: {routes}", flush=True)
     if role == "learner":
         _learner(ctx, q)
     else:
@@ -42,7 +42,7 @@ def _learner(ctx: mq.Context, q: mq.MQ) -> None:
     weights = torch.randn(WEIGHTS_BYTES // 4)
     t0 = time.perf_counter()
     sent_to = q.publish("weights", {"version": 1, "w": weights})
-    print(f"[node {ctx.node_id} learner] published {weights.nbytes / 1e6:.1f} MB weights to {sent_to} "
+    print(f"learner: published {weights.nbytes / 1e6:.1f} MB weights to {sent_to} "
           f"in {1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
     done: set[int] = set()
     while len(done) < len(collectors):
@@ -52,9 +52,9 @@ def _learner(ctx: mq.Context, q: mq.MQ) -> None:
             continue
         batch = msg.payload
         received[msg.sender] = len(batch["reward"])
-        print(f"[node {ctx.node_id} learner] got {len(batch['reward'])} transitions from node {msg.sender}: "
+        print(f"learner: got {len(batch['reward'])} transitions from node {msg.sender}: "
               + ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in batch.items()), flush=True)
-    print(f"[node {ctx.node_id} learner] done: {sum(received.values())} transitions from "
+    print(f"learner: done: {sum(received.values())} transitions from "
           f"{len(collectors)} collectors", flush=True)
 
 
@@ -63,7 +63,7 @@ def _collector(ctx: mq.Context, q: mq.MQ) -> None:
     learner = q.wait_for_peers(label="learner", count=1, timeout=30)[0]
     msg = q.recv(timeout=30)
     w = msg.payload["w"]
-    print(f"[node {ctx.node_id} collector] got weights v{msg.payload['version']} "
+    print(f"collector: got weights v{msg.payload['version']} "
           f"({w.nbytes / 1e6:.1f} MB, checksum {float(w.sum()):.3f}) from node {msg.sender}", flush=True)
     n = 256
     batch = {"obs": np.random.randint(0, 255, (n, 4, 84, 84), dtype=np.uint8),
@@ -73,6 +73,6 @@ def _collector(ctx: mq.Context, q: mq.MQ) -> None:
     q.send(learner, "transitions", batch)
     t0 = time.perf_counter()
     stats = q.call(learner, "stats", None, timeout=10)
-    print(f"[node {ctx.node_id} collector] call stats -> {stats} "
+    print(f"collector: call stats -> {stats} "
           f"({1e3 * (time.perf_counter() - t0):.2f} ms round trip)", flush=True)
     q.send(learner, "done", ctx.node_id)
