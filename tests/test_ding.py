@@ -187,5 +187,19 @@ def test_unknown_mq_type_is_one_clear_error() -> None:
         in out.stdout, out.stdout[-3000:]
 
 
+
+def test_torchrpc_across_hosts_without_a_store_is_one_clear_error() -> None:
+    """torch RPC's workers pick their own ports (its launch profile binds none of ours), so they
+    meet in a rendezvous store: attach_to without torchrun's variables says what to set (the
+    runner's argument parser, which DI-engine calls before it starts any worker)."""
+    code = ("import os\nimport mq.integrations.ding\nfrom ding.framework import Parallel\n"
+            "os.environ.pop('MASTER_ADDR', None)\n"
+            "try:\n    mq.integrations.ding._args_parser(Parallel, 2, 'mq:torchrpc:cpu', attach_to='tcp://10.0.0.1:5000')\n"
+            "except Exception as e:\n    print('ERR', type(e).__name__, e)\n")
+    out = run_job([str(DING_PY), "-c", code], timeout=50)
+    assert ("ERR ConfigError mq:torchrpc:cpu across hosts meets in a rendezvous store: set MASTER_ADDR, MASTER_PORT "
+            "and WORLD_SIZE") in out.stdout, out.stdout[-3000:]
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

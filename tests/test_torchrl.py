@@ -239,6 +239,16 @@ def test_a_scheme_used_before_its_collector_started_is_a_config_error():
         MQWeightSyncScheme(bucket_bytes=10)
 
 
+@pytest.mark.parametrize("mq_type, says", [
+    ("torchrpc:cpu", r"torchrpc allows one per process .* use 'nng'"),  # the backend's one_per_process
+    ("bogus", "unknown mq type 'bogus'"),
+    (3, "unknown mq type 3"),
+])
+def test_a_scheme_on_an_mq_type_it_cannot_use_is_a_config_error_saying_which(mq_type, says):
+    with pytest.raises(ConfigError, match=says):
+        MQWeightSyncScheme(mq_type=mq_type)
+
+
 def test_a_worker_whose_policy_differs_is_a_config_error_naming_the_keys(reap):
     scheme = MQWeightSyncScheme(timeout=30)
     started = time.monotonic()
