@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
@@ -205,7 +206,9 @@ def _spawned_main(program: Callable[..., Any], node_id: int, n: int, args: tuple
 
 # ---------------------------------------------------------------------- barrier
 class _BarrierBox:
-    _boxes: dict[int, "_BarrierBox"] = {}
+    # Keyed by the node itself, weakly: keyed by id(), a later group's node could reuse a freed
+    # node's id and find that node's arrivals, passing a barrier nobody reached.
+    _boxes: "weakref.WeakKeyDictionary[mq.MQ, _BarrierBox]" = weakref.WeakKeyDictionary()
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -213,7 +216,7 @@ class _BarrierBox:
 
     @classmethod
     def get(cls, q: mq.MQ) -> "_BarrierBox":
-        return cls._boxes.setdefault(id(q), cls())
+        return cls._boxes.setdefault(q, cls())
 
     def arrive(self, msg: mq.Message) -> None:
         with self.cond:

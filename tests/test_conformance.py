@@ -153,3 +153,25 @@ def test_a_transport_defined_outside_mq_passes_the_whole_suite():
 
     conformance.check_all(testing.InProcess(make_nodes), route="inproc")
     assert {t.sent > 0 for t in transports} == {True}, "a node sent nothing through its own transport"
+
+
+@pytest.mark.timeout(30)
+def test_a_barrier_sees_only_its_own_nodes_arrivals():
+    """Regression: barriers were keyed by id(node), so a later group's node that reused a freed
+    node's id found that node's "end" arrivals, left its barrier early and stopped while its
+    peer still called it (PeerLost in the out-of-tree suite on a busy CI machine)."""
+    import gc
+
+    from mq.testing import _BarrierBox
+
+    before = len(_BarrierBox._boxes)
+    nodes = testing.inproc_nodes(2, [None, None])
+    try:
+        for q in nodes:
+            _BarrierBox.get(q).seen["end"] = {1 - q.node_id}
+    finally:
+        for q in nodes:
+            q.stop()
+    del nodes, q
+    gc.collect()
+    assert len(_BarrierBox._boxes) == before, "a stopped, freed node's barrier arrivals outlived it"
