@@ -208,3 +208,60 @@ def test_a_join_whose_answer_comes_after_the_next_greeting_completes():
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_greeting_nobody_answers_is_sent_again_less_and_less_often():
+    """Issue 49: with every node of a 256-node job greeting at once, answers came slower than the
+    fixed 3 s between greetings, and greeting again at that pace multiplied the work until no
+    join finished. The pause doubles after each greeting, up to REGREET_MAX_S (plus a quarter).
+    The heartbeat's ticks are played here on a clock of the test's own: 200 s in 0.1 s steps."""
+    from mq.node import join
+
+    silent = Stranger(0)
+    node = mq.create("inproc", 1, attach_to=[silent.address], secret=SECRET, timeout=5).listen()
+    try:
+        silent.next(HELLO)
+        clock = [time.monotonic()]
+        greeted: list[float] = []
+        node._join.greet = lambda target, again=False: greeted.append(clock[0])  # (the ticks' greetings only)
+        start = clock[0]
+        for _ in range(2000):
+            clock[0] += 0.1
+            node._join.expire(clock[0])
+        gaps = [b - a for a, b in zip([start, *greeted], greeted)]
+        assert gaps[0] >= join.REGREET_S - 0.2, gaps
+        assert all(b >= min(a, join.REGREET_MAX_S) for a, b in zip(gaps, gaps[1:])), f"the pause shrank: {gaps}"
+        assert join.REGREET_MAX_S <= max(gaps) <= 1.25 * join.REGREET_MAX_S + 0.2, gaps
+        assert len(greeted) <= 14, f"{len(greeted)} greetings in 200 s (at a fixed 3 s: 66)"
+    finally:
+        node.stop(timeout=1.0)
+        silent.close()
+
+
+def test_greeting_again_past_the_answers_held_keeps_the_first_answer_provable():
+    """Issue 49: a node answering the 9th HELLO of one joiner pushed its first answer out; the
+    joiner, taking the first answer that reached it (the oldest), sent a LINK proving it, which
+    was refused as a forgery (bad_proof) while the joiner counted the node as its peer. Now the
+    answers sent stay, and a HELLO past them is refused (join_flood) without an answer."""
+    from mq.node import join
+
+    node = mq.create("inproc", 0, secret=SECRET, timeout=10).listen()
+    stranger = Stranger(9)
+    try:
+        node_at = node.addresses["inproc"]
+        for i in range(join.MAX_ANSWERS):
+            stranger.send(node_at, HELLO, stranger.greeting(f"t-{i}"))
+            stranger.next(HELLO_ACK, after=i)
+        stranger.send(node_at, HELLO, stranger.greeting("one-too-many"))
+        assert wait_until(lambda: rejected(node, "join_flood") == 1, 5), node.stats()
+        assert stranger.count(HELLO_ACK) == join.MAX_ANSWERS
+        _t, first = stranger.next(HELLO_ACK)
+        assert first["token"] == "t-0"
+        proof = resolve_secret(SECRET).proof("link", stranger.nonce, first["nonce"], 9, 0, stranger.incarnation)
+        stranger.send(node_at, LINK, {"node_id": 9, "incarnation": stranger.incarnation, "read_ok": False,
+                                      "proof": proof})
+        assert wait_until(lambda: node.peers() == [9], 5), node.stats()
+        assert rejected(node, "bad_proof") == 0
+    finally:
+        node.stop(timeout=1.0)
+        stranger.close()

@@ -284,6 +284,40 @@ def test_a_record_split_across_segments_still_reads_whole(tcp_pair):
     assert [decoded(f) for f in read_all(inbound, 1)] == ["slow"]
 
 
+def test_a_unix_link_waits_out_a_full_backlog_instead_of_failing():
+    """Regression (a 256-node join): a unix connect past a full backlog fails at once with
+    EAGAIN, and the link fell back to NNG's tcp. It waits for room now, within its timeout."""
+    name = f"mq-test-{uuid.uuid4().hex[:12]}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind("\0" + name)
+    listener.listen(0)
+    queued = []
+    try:
+        for _ in range(8):  # fill the backlog (its size is the kernel's choice: fill until refused)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.setblocking(False)
+            try:
+                s.connect("\0" + name)
+            except BlockingIOError:
+                s.close()
+                break
+            queued.append(s)
+        else:
+            pytest.fail("the backlog never filled")
+        threading.Timer(0.3, lambda: listener.accept()[0].close()).start()  # room, later
+        t0 = time.monotonic()
+        out = unixlink.Outbound(name, 5.0, lambda: None)
+        waited = time.monotonic() - t0
+        out.close()
+        assert waited >= 0.2, f"connected after {waited:.3f}s, before the listener made room"
+        with pytest.raises(OSError):  # and a backlog that stays full still fails by its timeout
+            unixlink.Outbound(name, 0.2, lambda: None)
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "*", ""])
 def test_a_tcp_link_listens_on_the_nodes_interface_or_every_one(host):
     listener = tcplink.listen(host)

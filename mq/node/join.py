@@ -16,6 +16,7 @@ to each peer is chosen by :func:`mq.node.peer_route.choose` here, with a probe o
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 import uuid
@@ -40,9 +41,14 @@ log = logging.getLogger("mq")
 # the join's timeout: on a loaded machine an answer may come after the next greeting went out,
 # and refusing it (then closing the link it came on) made joins fail for good (issue 45).
 REGREET_S = 3.0
+# ... and each later time twice as long after the last, up to this (plus up to a quarter, at
+# random): when every node of a large job greets at once, answers come slower than REGREET_S,
+# and greeting again at a fixed pace multiplied the work until no join finished (issue 49).
+REGREET_MAX_S = 24.0
 # Joins in progress (HELLO answered, LINK not yet) kept at once; the oldest go first.
 MAX_PENDING = 64
-# HELLOs of one joining node answered and awaiting its LINK (it greets again every REGREET_S).
+# HELLOs of one joining node answered and awaiting its LINK (it greets again, backing off);
+# past them its HELLOs are refused (join_flood) until one is proven or they expire.
 MAX_ANSWERS = 8
 
 
@@ -80,6 +86,7 @@ class Join:
         self.greetings: dict[str, tuple[bytes, Any, float]] = {}  # token -> (our nonce, target, when)
         self._refused_by: dict[str, str] = {}  # target -> why its answer was refused (auth, id)
         self._refusals_sent: dict[int, float] = {}  # node id -> when we last told a duplicate of it
+        self._regreet_due: dict[Any, tuple[float, float]] = {}  # target -> (when, the pause after)
         # joins awaiting LINK, by (node id, incarnation): each HELLO of it answered (our nonce, the
         # peer it describes, when); its LINK proves one of them
         self._pending: dict[tuple[int, str], list[tuple[bytes, Peer, float]]] = {}
@@ -107,10 +114,16 @@ class Join:
             "rdma": self._sender.rdma.caps(),
         }
 
-    def greet(self, target: Any) -> None:
+    def greet(self, target: Any, again: bool = False) -> None:
+        """Send ``target`` a HELLO; ``again``: only if it has not answered meanwhile."""
         token, nonce = uuid.uuid4().hex, _auth.nonce()
         with self.lock:
-            self.greetings[token] = (nonce, target, time.monotonic())
+            if again and target not in self._regreet_due:
+                return  # (answered while expire() greeted others: a second LINK would follow)
+            now = time.monotonic()
+            self.greetings[token] = (nonce, target, now)
+            # until it answers, expire() greets it again after REGREET_S, then backs off
+            self._regreet_due.setdefault(target, (now + REGREET_S, REGREET_S / 2))
         self._transport.greet(target, self._sender.encode(HELLO, "", self.hello_payload(token, nonce)), token)
 
     def handle(self, env: Envelope, link: Any) -> None:
@@ -141,10 +154,14 @@ class Join:
             if len(self._pending) >= self._max_pending:  # a join flood must not grow without bound
                 self._drop_pending(next(iter(self._pending)), "too many joins in progress")
             entries = self._pending.setdefault((peer_id, info["incarnation"]), [])
-            entries.append((nonce, peer, time.monotonic()))
-            if len(entries) > MAX_ANSWERS:  # greetings of one node: the newest few stay provable
-                for reader in entries.pop(0)[1].readers.values():
+            if len(entries) >= MAX_ANSWERS:
+                # The answers already sent stay provable: it takes the first that reaches it
+                # (the oldest), so pushing that out refused its LINK (issue 49's 256-node join).
+                for reader in peer.readers.values():
                     reader.close()
+                raise _handshake.Refused("join_flood", f"node {peer_id} greeted again with {MAX_ANSWERS} "
+                                         "answers of ours still unproven")
+            entries.append((nonce, peer, time.monotonic()))
         if self._transport.connect_may_block:
             self._answer_later((peer_id, info, peer, ack))
         else:
@@ -158,6 +175,17 @@ class Join:
             self._sender.send_control(peer_id, HELLO_ACK, ack, min(self._timeout, 5.0))
         except (MQError, OSError) as exc:
             log.debug("node %d: could not answer the HELLO of node %d: %s", self.node_id, peer_id, exc)
+            self._unanswered(peer_id, info["incarnation"], peer)
+
+    def _unanswered(self, peer_id: int, incarnation: str, peer: Peer) -> None:
+        """An answer that never went out: nothing can prove it, so it holds no place."""
+        with self.lock:
+            entries = self._pending.get((peer_id, incarnation), [])
+            entries[:] = [e for e in entries if e[1] is not peer]
+            if not entries:
+                self._pending.pop((peer_id, incarnation), None)
+        for reader in peer.readers.values():
+            reader.close()
 
     def _answer_later(self, answer: tuple[int, dict[str, Any], Peer, dict[str, Any]]) -> None:
         """Answer a HELLO from the joins thread: the transport's connect may block (a tcp link
@@ -166,6 +194,7 @@ class Join:
         with self._joiner_lock:
             if len(self._answers) >= self._max_pending:
                 dropped = self._answers.get_nowait()
+                self._unanswered(dropped[0], dropped[1]["incarnation"], dropped[2])
                 self._refusals.reject("pending_overflow", f"too many joins to answer: node {dropped[0]}'s waits")
             self._answers.put(answer)
             if self._joiner is None:
@@ -254,11 +283,17 @@ class Join:
             self._peers.refused(refusal)
             log.error("node %d: %s", self.node_id, refusal)
             raise _handshake.Refused("refused", str(refusal))
-        with self.lock:  # answered: no greeting of that target is needed any more
-            for token in [t for t, (_n, where, _w) in self.greetings.items() if where == target]:
-                del self.greetings[token]
+        with self.lock:  # each greeting is answered once (a replayed answer proves nothing)
+            self.greetings.pop(info["token"], None)
+            late = self._regreet_due.pop(target, None) is None
         old = self._peers.get(peer_id)
         same = old is not None and not old.lost and old.info.get("incarnation") == info["incarnation"]
+        if late and same:
+            # A proven answer to an earlier greeting of a peer that joined meanwhile, perhaps on
+            # a link it opened since: that link is its. (No LINK: one per join; refusing this
+            # answer would close the peer's link.)
+            self._peers.bind(link, peer_id)
+            return
         taken = None if same else self._taken(peer_id, info)
         if taken:
             raise _handshake.Refused("duplicate_id", taken)
@@ -392,8 +427,7 @@ class Join:
         with self.lock:
             for key, entries in list(self._pending.items()):
                 if now - entries[-1][2] > self._timeout:
-                    live = self._peers.get(key[0])
-                    if live is not None and not live.lost and live.info.get("incarnation") == key[1]:
+                    if self._live(*key):
                         self._pending.pop(key)  # it joined through another of its greetings
                         for _nonce, peer, _t in entries:
                             for reader in peer.readers.values():
@@ -403,17 +437,28 @@ class Join:
             # Greet again whoever did not answer: it may have refused us while an earlier
             # process of our node id still looked alive to it, or started after us. Earlier
             # greetings stay valid (a slow answer still counts) until the join's timeout.
-            newest: dict[Any, float] = {}
-            for token, (_n, target, t) in list(self.greetings.items()):
-                newest[target] = max(newest.get(target, t), t)
-                if now - t > max(self._timeout, REGREET_S):
+            for token, (_n, _target, t) in list(self.greetings.items()):  # one always valid:
+                if now - t > max(self._timeout, 1.25 * REGREET_MAX_S):  # outlives the pause after it
                     del self.greetings[token]
-            stale = [target for target, t in newest.items() if now - t > REGREET_S]
+            stale = [target for target, (due, _pause) in self._regreet_due.items() if now >= due]
+            for target in stale:
+                self._back_off(target, now)
         for target in stale:
             try:
-                self.greet(target)
+                self.greet(target, again=True)
             except (MQError, OSError) as exc:
                 log.debug("node %d: greeting %s again: %s", self.node_id, target, exc)
+
+    def _back_off(self, target: Any, now: float) -> None:
+        """Greeting ``target`` again now: the next time comes twice as long after (capped)."""
+        pause = min(2 * self._regreet_due[target][1], REGREET_MAX_S)
+        self._regreet_due[target] = (now + pause * random.uniform(1.0, 1.25), pause)
+
+    def _live(self, peer_id: int, incarnation: str) -> bool:
+        """Whether that process of ``peer_id`` is our peer (a join of it still open here is
+        one more greeting of it answered after it joined)."""
+        peer = self._peers.get(peer_id)
+        return peer is not None and not peer.lost and peer.info.get("incarnation") == incarnation
 
     def pending_count(self) -> int:
         with self.lock:
@@ -426,8 +471,9 @@ class Join:
         with self.lock:
             newest: dict[str, str] = {}
             for token, (_n, target, _when) in sorted(self.greetings.items(), key=lambda e: e[1][2]):
-                newest[str(target)] = token
-            half = sorted(key[0] for key in self._pending)
+                if target in self._regreet_due:  # (not answered yet)
+                    newest[str(target)] = token
+            half = sorted(key[0] for key in self._pending if not self._live(*key))
             refused_by = dict(self._refused_by)
         stages = []
         for target, token in sorted(newest.items()):

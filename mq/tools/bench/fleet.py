@@ -32,8 +32,14 @@ from mq.platforms.plan import free_port
 
 
 def _worker(first: int, count: int, world: int, port: int, timeout: float) -> None:
-    """A child process: nodes ``first .. first+count-1`` join, idle until told, then stop."""
+    """A child process: nodes ``first .. first+count-1`` join, idle until told, then stop.
+    ``kill -USR1`` prints where each of its threads is (a join or stop that hangs)."""
+    import faulthandler
+    import signal
+
     import mq
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     began = time.monotonic()
     nodes = [mq.create("nng", i, init_method=f"tcp://127.0.0.1:{port}", world_size=world,
@@ -84,9 +90,13 @@ def run(nodes: int, procs: int, idle: float, timeout: float, settle: float = 15.
                 for p in range(procs)]
     out: dict[str, Any] = {"nodes": nodes, "procs": procs, "errors": []}
     try:
-        joined = [_line(c, timeout * 2 + 30) for c in children]
+        # One deadline for all: a process that never reports costs its wait once, not once each.
+        until = began + 2 * timeout + 30
+        joined = [_line(c, max(0.0, until - time.monotonic())) for c in children]
         out["join_s"] = round(time.monotonic() - began, 2)
         out["errors"] = [e for j in joined for e in j.get("errors", ["a process said nothing"])]
+        for error in out["errors"][:3]:  # (the whole list is in the result)
+            print(f"fleet: {error}", file=sys.stderr, flush=True)
         pids = [c.pid for c in children]
         time.sleep(settle)  # the joins' own traffic settles (and pairs go idle: mq.node.liveness)
         cpu0, t0 = _cpu_seconds(pids), time.monotonic()
@@ -96,11 +106,14 @@ def run(nodes: int, procs: int, idle: float, timeout: float, settle: float = 15.
             assert c.stdin is not None  # PIPE
             c.stdin.write("stop\n")
             c.stdin.flush()
-        out["stop_s"] = max(_line(c, 60).get("stop_s", float("inf")) for c in children)
+        until = time.monotonic() + 60
+        out["stop_s"] = max(_line(c, max(0.0, until - time.monotonic())).get("stop_s", float("inf"))
+                            for c in children)
     finally:
+        until = time.monotonic() + 30  # for all of them: a process that hangs is killed
         for c in children:
             try:
-                c.wait(30)
+                c.wait(max(0.0, until - time.monotonic()))
             except subprocess.TimeoutExpired:
                 c.kill()
                 c.wait()

@@ -29,7 +29,9 @@ def listener(family: int, kind: int, proto: int, address: Any) -> socket.socket:
     sock = socket.socket(family, kind | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC, proto)
     try:
         sock.bind(address)
-        sock.listen(128)
+        # The kernel's most (net.core.somaxconn): a job's nodes all connect to a new member at
+        # once, and a unix connect past a full backlog fails at once (EAGAIN), not later.
+        sock.listen(socket.SOMAXCONN)
     except OSError:
         sock.close()
         raise

@@ -109,14 +109,30 @@ class Inbound(Receiver):
         return n
 
 
+def _connect(sock: socket.socket, address: str, timeout: float) -> None:
+    """Connect, waiting out a full backlog: a unix connect past it fails at once (EAGAIN) where
+    tcp would wait, and in a large job's join every node connects to the same member at once."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    sock.settimeout(timeout)
+    while True:
+        try:
+            sock.connect(address)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+
 class Outbound(Sender):
     """This node's link to one same-host peer: frames in order, several sending threads."""
 
     def __init__(self, name: str, timeout: float, lost: Callable[[], None], waits: Waits | None = None):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
-            sock.settimeout(timeout)
-            sock.connect("\0" + name)
+            _connect(sock, "\0" + name, timeout)
         except OSError:
             sock.close()
             raise
