@@ -279,6 +279,9 @@ def test_a_host_that_vanishes_without_fin_is_lost_within_the_heartbeat_bound():
                 q.wait_for_peers(ids=[1], timeout=10)
                 assert q.routes()[1].kind == "tcp"
                 assert isinstance(q.transport._out[1], tcplink.Outbound)  # across the veth
+                # The pair trades data, so it is probed (a pair that just joined is idle, and an
+                # idle pair's silence proves nothing until it is used: docs/concepts/liveness.md).
+                q.send(1, "work", 0, timeout=5)
                 subprocess.run(["ip", "-n", hosts.name, "link", "set", hosts.peer_if, "down"], check=True)
                 proc.send_signal(signal.SIGKILL)  # no FIN can reach us: the link is down
                 gone = time.monotonic()

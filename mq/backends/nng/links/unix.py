@@ -31,6 +31,7 @@ from typing import Any, Callable
 from mq.backends.nng.links.base import Receiver, Sender, listener
 from mq.wire.codec import Frame, empty_buffer
 from mq.errors import ProtocolError, Timeout
+from mq.node import waits as node_waits
 from mq.node.waits import Waits
 
 DATAGRAM = 64 << 10  # one datagram; the kernel's default socket buffer holds three
@@ -122,7 +123,7 @@ def _connect(sock: socket.socket, address: str, timeout: float) -> None:
         except BlockingIOError:
             if time.monotonic() + pause > deadline:
                 raise
-            time.sleep(pause)
+            node_waits.sleep(pause)  # (a back-off)
             pause = min(2 * pause, 0.05)
 
 
