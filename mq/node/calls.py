@@ -121,7 +121,8 @@ class Calls:
         if left <= 0:
             raise FutureTimeout()
         try:
-            reply = self._transport.request(peer, frame, left)
+            with self._waits.depend((peer,)):  # probed while we wait: a frozen peer is judged silent
+                reply = self._transport.request(peer, frame, left)
         except Timeout:
             raise FutureTimeout() from None  # the caller words it
         except MQError:

@@ -5,7 +5,8 @@ left idle (issue 49). What it measures, per run:
 - ``idle_cpu``: the CPU the whole job burns while nobody sends, in cores (the sum over its
   processes of user + system time, read from ``/proc``, over ``--idle`` seconds, ``--settle``
   seconds after the join);
-- ``stop_s``: the slowest node's ``stop()``.
+- ``stop_s``: the slowest node's ``stop()`` (``stop_unreported``: processes that did not say
+  within 60 s).
 
 ::
 
@@ -107,8 +108,9 @@ def run(nodes: int, procs: int, idle: float, timeout: float, settle: float = 15.
             c.stdin.write("stop\n")
             c.stdin.flush()
         until = time.monotonic() + 60
-        out["stop_s"] = max(_line(c, max(0.0, until - time.monotonic())).get("stop_s", float("inf"))
-                            for c in children)
+        stops = [_line(c, max(0.0, until - time.monotonic())).get("stop_s") for c in children]
+        out["stop_s"] = max(s for s in stops if s is not None) if any(s is not None for s in stops) else None
+        out["stop_unreported"] = sum(s is None for s in stops)  # processes whose stop() took > 60 s
     finally:
         until = time.monotonic() + 30  # for all of them: a process that hangs is killed
         for c in children:
@@ -125,7 +127,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'nodes':>6} {'procs':>6} {'join s':>8} {'idle % of a core':>17} {'slowest stop s':>15}  errors"]
     for r in rows:
         lines.append(f"{r['nodes']:>6} {r['procs']:>6} {r.get('join_s', float('nan')):>8.2f} "
-                     f"{100 * r.get('idle_cpu', float('nan')):>17.1f} {r.get('stop_s', float('nan')):>15.2f}  "
+                     f"{100 * r.get('idle_cpu', float('nan')):>17.1f} {r.get('stop_s') or float('nan'):>15.2f}  "
                      f"{len(r['errors']) or '-'}")
     return "\n".join(lines)
 
