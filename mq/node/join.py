@@ -52,6 +52,12 @@ MAX_PENDING = 64
 MAX_ANSWERS = 8
 
 
+def _close_readers(peer: Peer) -> None:
+    """Close the pools of ``peer`` opened here (a join not taken: its memory goes)."""
+    for reader in peer.readers.values():
+        reader.close()
+
+
 class Join:
     """The joins of node ``node_id`` (see the module docstring).
 
@@ -157,8 +163,7 @@ class Join:
             if len(entries) >= MAX_ANSWERS:
                 # The answers already sent stay provable: it takes the first that reaches it
                 # (the oldest), so pushing that out refused its LINK (issue 49's 256-node join).
-                for reader in peer.readers.values():
-                    reader.close()
+                _close_readers(peer)
                 raise _handshake.Refused("join_flood", f"node {peer_id} greeted again with {MAX_ANSWERS} "
                                          "answers of ours still unproven")
             entries.append((nonce, peer, time.monotonic()))
@@ -184,8 +189,7 @@ class Join:
             entries[:] = [e for e in entries if e[1] is not peer]
             if not entries:
                 self._pending.pop((peer_id, incarnation), None)
-        for reader in peer.readers.values():
-            reader.close()
+        _close_readers(peer)
 
     def _answer_later(self, answer: tuple[int, dict[str, Any], Peer, dict[str, Any]]) -> None:
         """Answer a HELLO from the joins thread: the transport's connect may block (a tcp link
@@ -219,8 +223,7 @@ class Join:
         if not entries:
             return
         for _nonce, peer, _t in entries:
-            for reader in peer.readers.values():
-                reader.close()
+            _close_readers(peer)
         live = self._peers.get(key[0])
         if live is None or live.lost:  # nobody else uses that id's link: close it
             threading.Thread(target=self._transport.disconnect, args=(key[0],), daemon=True).start()
@@ -334,8 +337,7 @@ class Join:
         peer = proven[0]
         for _mine, other, _t in entries:  # the answers not taken: their pools opened here go
             if other is not peer:
-                for reader in other.readers.values():
-                    reader.close()
+                _close_readers(other)
         with self.lock:
             self._pending.pop((peer_id, msg["incarnation"]), None)
         taken = self._taken(peer_id, peer.info)
@@ -348,8 +350,7 @@ class Join:
         if old is None or old.lost or old.info.get("incarnation") != peer.info.get("incarnation"):
             self._joined(peer)
         else:  # it joined already (a greeting answered twice): keep the first, close this one's memory
-            for reader in peer.readers.values():
-                reader.close()
+            _close_readers(peer)
         self._on_link_verdict(peer_id, msg["read_ok"])
 
     def _joined(self, peer: Peer) -> None:
@@ -430,8 +431,7 @@ class Join:
                     if self._live(*key):
                         self._pending.pop(key)  # it joined through another of its greetings
                         for _nonce, peer, _t in entries:
-                            for reader in peer.readers.values():
-                                reader.close()
+                            _close_readers(peer)
                         continue
                     self._drop_pending(key, f"no LINK within {self._timeout:g}s")
             # Greet again whoever did not answer: it may have refused us while an earlier
