@@ -35,6 +35,7 @@ log = logging.getLogger("mq.store")
 
 MAX_MESSAGE = 1 << 20  # an entry is a few hundred bytes; a wait for 10,000 keys is ~100 KB
 _LENGTH = struct.Struct(">I")
+_IDLE_S = 30.0  # the store's loop looks at least this often (nothing is due while idle)
 _STALLED_S = 10.0  # a connection that began a message and sent nothing more for this long is closed
 _RETRY_S = (0.02, 0.5)  # first and longest pause between attempts to reach a store not up yet
 
@@ -87,8 +88,12 @@ class StoreServer:
                 s.close()
 
     def _next_timeout(self) -> float:
-        soonest = min((w.deadline for w in self._waiting), default=time.monotonic() + 1.0)
-        return max(0.0, min(soonest - time.monotonic(), 1.0))
+        """Until the next thing due: a wait's deadline, a stalled connection's; a store nobody
+        uses sleeps (a request or close() wakes it): it serves a job that may idle for days."""
+        now = time.monotonic()
+        due = [w.deadline for w in self._waiting]
+        due += [c.stalls_at() for c in self._conns.values() if c.stalls_at()]
+        return max(0.0, min(due, default=now + _IDLE_S) - now)
 
     def _accept(self) -> None:
         try:
@@ -196,6 +201,10 @@ class _Conn:
 
     def stalled(self, now: float) -> bool:
         return bool(self._since) and now - self._since > _STALLED_S
+
+    def stalls_at(self) -> float:
+        """When an unfinished message makes it stalled (0.0: none is unfinished)."""
+        return self._since + _STALLED_S + 0.01 if self._since else 0.0
 
     def send(self, message: Any) -> None:
         """Answer (small: it fits the socket's buffer; a client that does not read is dropped)."""

@@ -9,18 +9,20 @@ froze while idle; a peer that merely does not read (a hoarding receiver) is neve
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 import numpy as np
 import pytest
 
 import mq
 from mq.testing import freeze
-from mq.node.liveness import IDLE_AFTER_TIMEOUTS, IDLE_TICK_S
+from mq.node.liveness import IDLE_AFTER_TIMEOUTS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,9 +31,8 @@ HEARTBEAT, PEER_TIMEOUT = 0.25, 1.0
 IDLE_AFTER = IDLE_AFTER_TIMEOUTS * PEER_TIMEOUT
 
 
-def _wait_idle(nodes: list[mq.MQ], within: float = IDLE_AFTER + IDLE_TICK_S + 6.0) -> None:
-    """Until a window of 4 heartbeats passes with no frame at all (the pair went idle: traffic
-    is noticed at the heartbeat's tick, IDLE_TICK_S while idle, so it may take that long more)."""
+def _wait_idle(nodes: list[mq.MQ], within: float = IDLE_AFTER + 6.0) -> None:
+    """Until a window of 4 heartbeats passes with no frame at all (the pair went idle)."""
     deadline = time.monotonic() + within
     while _frames_in(nodes, 4 * HEARTBEAT):
         assert time.monotonic() < deadline, f"the idle pair still exchanged frames after {within:.1f}s"
@@ -45,7 +46,9 @@ def _frames_in(nodes: list[mq.MQ], seconds: float) -> int:
     return sum(q.stats().received for q in nodes) - before
 
 
-def test_an_idle_pair_stops_probing_and_a_busy_pair_does_not():
+@contextlib.contextmanager
+def _pair() -> Iterator[tuple[mq.MQ, mq.MQ]]:
+    """Nodes 0 and 1 of this module's liveness settings, joined, in this process."""
     opts = dict(heartbeat=HEARTBEAT, peer_timeout=PEER_TIMEOUT, secret="idle-peers-secret", timeout=10)
     a = mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", **opts)
     with a:
@@ -53,19 +56,24 @@ def test_an_idle_pair_stops_probing_and_a_busy_pair_does_not():
         with b:
             a.wait_for_peers(ids=[1], timeout=10)
             b.wait_for_peers(ids=[0], timeout=10)
-            b.send(0, "x", 1)
-            a.recv(timeout=5)
-            # Within idle_after of the traffic both probe each other (heartbeats flow) ...
-            assert _frames_in([a, b], 4 * HEARTBEAT) >= 2
-            # ... after it, nothing at all is sent while nobody sends or waits.
-            _wait_idle([a, b])
-            assert _frames_in([a, b], 8 * HEARTBEAT) == 0
-            assert 1 in a.peers() and 0 in b.peers()
-            # Traffic resumes: so does probing, and nothing is judged silent meanwhile.
-            for i in range(3):
-                b.send(0, "x", i)
-                assert a.recv(timeout=5).payload == i
-            assert 1 in a.peers() and 0 in b.peers()
+            yield a, b
+
+
+def test_an_idle_pair_stops_probing_and_a_busy_pair_does_not():
+    with _pair() as (a, b):
+        b.send(0, "x", 1)
+        a.recv(timeout=5)
+        # Within idle_after of the traffic both probe each other (heartbeats flow) ...
+        assert _frames_in([a, b], 4 * HEARTBEAT) >= 2
+        # ... after it, nothing at all is sent while nobody sends or waits.
+        _wait_idle([a, b])
+        assert _frames_in([a, b], 8 * HEARTBEAT) == 0
+        assert 1 in a.peers() and 0 in b.peers()
+        # Traffic resumes: so does probing, and nothing is judged silent meanwhile.
+        for i in range(3):
+            b.send(0, "x", i)
+            assert a.recv(timeout=5).payload == i
+        assert 1 in a.peers() and 0 in b.peers()
 
 
 def _peer(node: mq.MQ, mode: str, **env: str) -> subprocess.Popen:
@@ -149,3 +157,20 @@ def test_a_wait_on_an_idle_live_peer_times_out_and_is_never_told_it_died():
             assert 1 in node.peers()
         finally:
             _end(proc)
+
+
+def test_traffic_on_an_idle_pair_starts_probing_at_once_at_both_ends():
+    """Neither end waits for its heartbeat's idle tick (30 s) to notice traffic: the send and
+    the receive wake it, and the first ping asks the other end to answer and probe too. (An end
+    that noticed late was judged silent by the other after peer_timeout: a live peer lost.)"""
+    with _pair() as (a, b):
+        _wait_idle([a, b])
+        assert not a._peers.by_id[1].probed and not b._peers.by_id[0].probed
+        b.send(0, "x", 1)
+        deadline = time.monotonic() + PEER_TIMEOUT
+        while not (a._peers.by_id[1].probed and b._peers.by_id[0].probed):
+            assert time.monotonic() < deadline, "traffic on an idle pair was not noticed at once"
+            time.sleep(0.01)
+        assert a.recv(timeout=5).payload == 1
+        time.sleep(3 * PEER_TIMEOUT)  # both ends ping: neither is taken for dead
+        assert 1 in a.peers() and 0 in b.peers()

@@ -59,11 +59,11 @@ from mq.node.waits import LIVE_OR_STOPPING, Waits
 
 log = logging.getLogger("mq")
 
-# How often the heartbeat reads the transport library's drop counters (stats() reads them too).
-# NNG's statistics come as a copy of the whole process's tree (every socket and pipe): with
-# several nodes of a big mesh in one process, reading it every 5 s was most of their idle cost.
-NATIVE_DROPS_EVERY_S = 30.0
-
+# How often the heartbeat reads the transport library's drop counters (stats() reads them too,
+# so whoever looks sees them all). NNG's statistics come as a copy of the whole process's tree
+# (every socket and pipe, ~2 ms for 16 nodes of a mesh in one process): every 30 s in each node
+# of a large job was a few per cent of a core.
+NATIVE_DROPS_EVERY_S = 300.0
 
 
 class MQ:
@@ -104,6 +104,7 @@ class MQ:
         # fan-out, and dispatch, which reads every frame and so takes all of them.
         self._life = life = Lifecycle()
         self._waits = waits = Waits(lambda: life.state)
+        life.moved = waits.wake_all  # a stop wakes every wait and loop of the node
         self._stats = stats = Stats()
         self._metrics = metrics = _metrics.Metrics()
         self._refusals = refusals = Refusals(node_id, stats)
@@ -119,8 +120,9 @@ class MQ:
                                            "locality": self.locality, "require_route": opts.require_route})
         self._calls = calls = Calls(node_id, sender, peers, transport, self.codec, life, stats, refusals, waits,
                                     handler_threads=opts.handler_threads, timeout=self.timeout)
-        self._liveness = liveness = Liveness(node_id, sender, peers, calls, life, heartbeat=self.heartbeat,
+        self._liveness = liveness = Liveness(node_id, sender, peers, calls, life, stats, heartbeat=self.heartbeat,
                                              peer_timeout=self.peer_timeout)
+        sender.on_traffic = liveness.traffic
         # A reader held up (an rdma pull, handlers all busy, a full queue): silence proves nothing.
         sender.rdma.reader_busy = calls.reader_busy = liveness.reader_busy
         self._delivery = delivery = Delivery(node_id, transport, life, metrics, waits, calls.has_room,
@@ -161,7 +163,7 @@ class MQ:
             raise ClosedError(STOPPED)
         self._calls.start()
         self._delivery.start()
-        self._life.state = "listening"
+        self._life.move("listening")
         try:
             watch_torch_import(self._liveness.stalled)  # a first tensor in: our reader imports torch
             self._sender.open_pool()
@@ -188,11 +190,10 @@ class MQ:
         """
         timeout = _seconds(timeout, "timeout")
         if self._life.state != "listening":
-            self._life.state = "stopped"
+            self._life.move("stopped")
             return None
         deadline = time.monotonic() + timeout
-        self._life.state = "stopping"  # no new sends; answers to calls still go
-        self._waits.wake_all()  # waits that end when the node stops look now
+        self._life.move("stopping")  # no new sends; answers to calls still go (waits look now)
         # Most of the time is the receivers' to confirm; the rest closes the links.
         until = deadline - min(0.5, timeout / 5)
         unconfirmed = self._liveness.farewell(until)
@@ -201,7 +202,7 @@ class MQ:
             self.transport.close(max(0.1, deadline - time.monotonic()))
         except Exception:  # never let a broken transport keep the node alive
             log.exception("node %d: error while closing the transport", self.node_id)
-        self._life.state = "stopped"
+        self._life.move("stopped")
         self._sender.close()
         self._calls.close()
         self._peers.wake()
@@ -515,14 +516,16 @@ class MQ:
         self._stats.relay = dict(self._fanout.stats)
         return self._stats
 
-    def _housekeeping(self, now: float) -> None:
+    def _housekeeping(self, now: float) -> bool:
         """The heartbeat thread's chores: the join's expiries; now and then, what the
-        transport's library dropped (logged as it is counted)."""
-        if self._life.listening:
-            self._join.expire(now)
+        transport's library dropped (logged as it is counted). True while a join is under way."""
         if now >= self._native_due:
             self._native_due = now + NATIVE_DROPS_EVERY_S
             self._count_native_drops()
+        if self._life.listening:
+            self._join.expire(now)
+            return self._join.under_way()
+        return False
 
     def _count_native_drops(self) -> None:
         try:

@@ -125,9 +125,11 @@ class Dispatch:
                 p.last_seen = time.monotonic()
                 if env.kind in COUNTED:
                     p.rx += 1
+                    if not p.probed and not p.asked:  # traffic on an idle pair: probing resumes now
+                        self._liveness.traffic(p)
                     if p.rx - p.rx_told >= self._receipt_every and not p.receipt_due:
                         p.receipt_due = True  # its window is closing: confirm what we took
-                        self._liveness.receipt_due()
+                        self._liveness.receipt_due(p)
                 if env.kind == MSG:  # the queue's byte bound counts inline bytes (the pool bounds shared ones)
                     self._deliver(env.topic, env.payload, env.sender, env.sent_at, env.nbytes,
                                   sum(buffer_nbytes(b) for b in buffers) if shared else env.nbytes)

@@ -33,7 +33,7 @@ from mq.node.peers import DEFAULT_WINDOW, Peer, PeerTable
 from mq.node.sender import Sender
 from mq.node.stats import Refusals
 from mq.transport import Transport
-from mq.node.waits import Mailbox
+from mq.node.waits import PAUSE_RECHECK_S, Mailbox
 
 log = logging.getLogger("mq")
 
@@ -209,7 +209,7 @@ class Join:
     def _joins_loop(self) -> None:
         while self._life.listening:
             try:
-                peer_id, info, peer, ack = self._answers.get(2.0)  # (a stop wakes it)
+                peer_id, info, peer, ack = self._answers.get(PAUSE_RECHECK_S)  # (a stop wakes it)
             except (TimeoutError, IndexError):
                 continue
             with self.lock:
@@ -459,6 +459,10 @@ class Join:
         one more greeting of it answered after it joined)."""
         peer = self._peers.get(peer_id)
         return peer is not None and not peer.lost and peer.info.get("incarnation") == incarnation
+
+    def under_way(self) -> bool:
+        """Whether a join waits for something timed (an answer, a greeting to send again)."""
+        return bool(self._pending or self._regreet_due)
 
     def pending_count(self) -> int:
         with self.lock:

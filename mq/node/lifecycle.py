@@ -1,10 +1,13 @@
 """A node's lifecycle: ``new -> listening -> stopping -> stopped``.
 
-:class:`Lifecycle` owns the state; :class:`mq.node.core.MQ` moves it, and every collaborator that
-must stop working (threads, sends, waits) reads it. Nothing else writes it.
+:class:`Lifecycle` owns the state; :class:`mq.node.core.MQ` moves it (:meth:`Lifecycle.move`, which
+wakes every wait), and every collaborator that must stop working (threads, sends, waits) reads it.
+Nothing else writes it.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from mq.errors import ClosedError
 
@@ -16,6 +19,14 @@ class Lifecycle:
 
     def __init__(self) -> None:
         self.state = "new"
+        #: called after every move (the node's ``Waits.wake_all``): no wait, and no background
+        #: loop, can miss that its node left a state (they need not look again to find out)
+        self.moved: Callable[[], None] = lambda: None
+
+    def move(self, state: str) -> None:
+        """Go to ``state`` and wake whatever waits on the node."""
+        self.state = state
+        self.moved()
 
     @property
     def listening(self) -> bool:

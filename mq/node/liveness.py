@@ -28,6 +28,7 @@ from mq.errors import MQError, PeerLost
 from mq.node.lifecycle import Lifecycle
 from mq.node.peers import Peer, PeerTable
 from mq.node.sender import Sender
+from mq.node.stats import Stats
 from mq.node import waits
 from mq.node.waits import LIVE_OR_STOPPING, Flag
 
@@ -39,8 +40,17 @@ ANSWER_GRACE_S = 0.25
 #: A pair quiet (no data, no calls, either way) for this many peer timeouts is not probed
 #: until traffic or a wait on it resumes: an idle mesh costs nothing however large.
 IDLE_AFTER_TIMEOUTS = 3.0
-#: The heartbeat thread's tick while no peer is probed (else min(heartbeat, 0.5) s).
-IDLE_TICK_S = 2.0
+#: The heartbeat thread's tick while no peer is probed but a join is under way (else
+#: min(heartbeat, 0.5) s) ...
+JOIN_TICK_S = 2.0
+#: ... and while nothing at all is under way. Traffic on an idle pair is noticed as it happens
+#: (:meth:`Liveness.traffic`) and a wait on a peer wakes the thread, so an idle tick has nothing
+#: to look for; each is a thread wake-up, and ticking every 2 s in every node was most of what
+#: an idle 256-node job cost (issue 49).
+IDLE_TICK_S = 30.0
+#: Two ends of a pair may see its last traffic this far apart (their ticks): a peer's silence
+#: is judged only until this long before the end of its own probing.
+NOTICE_MARGIN_S = 2.0
 
 
 class Liveness:
@@ -55,7 +65,7 @@ class Liveness:
     """
 
     def __init__(self, node_id: int, sender: Sender, peers: PeerTable, calls: Calls, life: Lifecycle,
-                 *, heartbeat: float, peer_timeout: float):
+                 stats: Stats, *, heartbeat: float, peer_timeout: float):
         self.node_id = node_id
         self._sender = sender
         self._peers = peers
@@ -64,12 +74,15 @@ class Liveness:
         self.heartbeat = heartbeat
         self.peer_timeout = peer_timeout
         self.idle_after = IDLE_AFTER_TIMEOUTS * peer_timeout
+        self._stats = stats  # its frame counts: a tick that finds them unchanged skips the peers
+        self._quiet = False  # the last look found every peer idle and owed nothing
         self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
         self._busy = 0  # readers working on one frame for a while (reader_busy)
         self._busy_lock = threading.Lock()
         self._waits = peers.waits
         self._wanted = Flag(self._waits)  # wakes the heartbeat thread: receipts due, or new dependents
-        self._newly_depended: collections.deque[int] = collections.deque()
+        self._probe_now: collections.deque[int] = collections.deque()
+        self._owed: collections.deque[Peer] = collections.deque()  # peers a receipt is due to
         self._waits.depending = self._depending
 
     def stalled(self) -> None:
@@ -103,13 +116,22 @@ class Liveness:
             p = self._peers.get(env.sender)
             if p is not None:
                 p.last_traffic = time.monotonic()
+                if not p.probed:  # it judges our silence from now: probe it now, not at our next tick
+                    self._probe(p)
+
+    def traffic(self, p: Peer) -> None:
+        """Data or a call on a pair not probed (the send and receive paths check ``p.probed``
+        and ``p.asked`` inline first): probe it now, so its silence counts from its traffic,
+        not from our next idle tick."""
+        self._probe(p)
 
     def on_receipt(self, peer_id: int, payload: Any) -> None:
         self._peers.receipt(peer_id, payload.get("rx") if isinstance(payload, dict) else None)
 
-    def receipt_due(self) -> None:
-        """A peer's window to us is a quarter used since our last receipt (dispatch): send it
-        one now, from the heartbeat thread (an I/O thread must not wait on a link)."""
+    def receipt_due(self, p: Peer) -> None:
+        """Peer ``p``'s window to us is a quarter used since our last receipt (dispatch): send
+        it one now, from the heartbeat thread (an I/O thread must not wait on a link)."""
+        self._owed.append(p)
         self._wanted.set()
 
     def _depending(self, node_id: int) -> None:
@@ -118,9 +140,14 @@ class Liveness:
         wakes the heartbeat thread once: a send held back by flow control, many times a
         second, must not wake it each time."""
         p = self._peers.get(node_id)
-        if p is not None and not (p.probed and p.depended) and not p.asked:
+        if p is not None and not (p.probed and p.depended):
+            self._probe(p)
+
+    def _probe(self, p: Peer) -> None:
+        """Have the heartbeat thread look at ``p`` now (it probes it if worth it)."""
+        if not p.asked:
             p.asked = True  # (once until the heartbeat thread looks: a burst of waits wakes it once)
-            self._newly_depended.append(node_id)
+            self._probe_now.append(p.node_id)
             self._wanted.set()
 
     def on_bye(self, env: Envelope) -> None:
@@ -153,6 +180,7 @@ class Liveness:
         except MQError as exc:  # a full link: the data itself shows we are alive
             # A receipt it waits for is tried again next tick: its sender may be blocked on it.
             p.receipt_due = p.receipt_due or due
+            self._quiet = False  # (tried again at the next tick)
             log.debug("node %d: heartbeat to node %d: %s", self.node_id, peer_id, exc)
 
     # ------------------------------------------------------------------ waits
@@ -219,12 +247,17 @@ class Liveness:
         return unconfirmed
 
     # ------------------------------------------------------------------ the heartbeat thread
-    def run(self, housekeeping: Callable[[float], None]) -> None:
+    def run(self, housekeeping: Callable[[float], bool]) -> None:
         """The heartbeat thread: probe peers (a ping carries our receipt), declare silent
         probed peers lost (:meth:`_look_at`), and call ``housekeeping(now)`` (the join's
-        expiries) every tick."""
+        expiries; True while a join is under way) every tick.
+
+        Its tick: ``min(heartbeat, 0.5)`` while a peer is probed, :data:`JOIN_TICK_S` while a
+        join is under way, else :data:`IDLE_TICK_S`. A tick of a quiet node (no frame since the last
+        look, which found every peer idle) costs no look at its peers: O(1), not O(peers)."""
         busy_tick = min(self.heartbeat, 0.5)
         tick = busy_tick
+        self._frames = (-1, -1)
         last = time.monotonic()
         # Also while stopping: stop()'s drain waits for peers' answers, and a peer that froze
         # meanwhile must be judged silent (and the drain end) within peer_timeout.
@@ -242,32 +275,41 @@ class Liveness:
                 # unread, so nobody's silence is proven. Judge again from now on.
                 self._stalled_until = max(self._stalled_until, now + self.heartbeat)
             last = now
-            self._send_due_receipts()  # those whose last try failed
             stalled = self._busy > 0  # our reader holds frames unread: everyone hears from us
             depended, idle_since = self._waits.depended, now - self.idle_after
+            frames = (self._stats.sent, self._stats.received)
             probing = False
-            for p in self._peers.list():
-                if p.lost:
-                    continue
-                if p.marks[0] != p.tx or p.marks[1] != p.rx:  # frames counted either way since the last look
-                    p.marks, p.last_traffic = (p.tx, p.rx), now
-                elif (not p.probed and p.last_traffic <= idle_since and p.rx == p.rx_told
-                      and not stalled and p.node_id not in depended):
-                    continue  # idle, and known so: the common case in a large mesh (inlined)
-                self._look_at(p, now, stalled)
-                probing = probing or p.probed
+            if not (self._quiet and frames == self._frames and not stalled and not depended):
+                self._quiet = True
+                for p in self._peers.list():
+                    if p.lost:
+                        continue
+                    if p.receipt_due:  # (its last try failed)
+                        self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))
+                    if p.marks[0] != p.tx or p.marks[1] != p.rx:  # frames counted either way since the last look
+                        p.marks, p.last_traffic = (p.tx, p.rx), now
+                    elif (not p.probed and p.last_traffic <= idle_since and p.rx == p.rx_told
+                          and not stalled and p.node_id not in depended):
+                        continue  # idle, and known so: the common case in a large mesh (inlined)
+                    self._quiet = False
+                    self._look_at(p, now, stalled)
+                    probing = probing or p.probed
+            self._frames = (self._stats.sent, self._stats.received)  # (our own pings included)
             # Nobody to probe: tick slowly. A wait that comes to depend on a peer wakes us
             # (_depending), and traffic is noticed at the next tick (its silence counts from then).
-            tick = busy_tick if probing else max(busy_tick, IDLE_TICK_S)
-            housekeeping(now)
+            joining = housekeeping(now)
+            tick = busy_tick if probing else max(busy_tick, JOIN_TICK_S if joining else IDLE_TICK_S)
 
     def _probe_new_dependents(self) -> bool:
-        """Probe the peers waits came to depend on (now, not at the next tick); True if any."""
+        """Probe the peers waits came to depend on, or traffic resumed with (now, not at the
+        next tick); True if any."""
         now, stalled, probed = time.monotonic(), self._busy > 0, False
-        while self._newly_depended:
-            p = self._peers.get(self._newly_depended.popleft())
+        while self._probe_now:
+            p = self._peers.get(self._probe_now.popleft())
             if p is not None:
                 p.asked = False
+                if p.marks[0] != p.tx or p.marks[1] != p.rx:  # (as at a tick)
+                    p.marks, p.last_traffic = (p.tx, p.rx), now
                 if not p.lost:
                     self._look_at(p, now, stalled)
                     probed = True
@@ -287,24 +329,25 @@ class Liveness:
                 self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))  # the receipt it is owed
             return
         if not p.probed or (depended and not p.depended):
-            # Probing resumes, or a wait came to depend on it (an idle peer answers only when
-            # asked): its silence counts from now, and it is asked at once.
+            # Probing resumes, or a wait came to depend on it: its silence counts from now.
             p.probed, p.judged_from = True, now
             p.last_sent = 0.0
         p.depended = depended
         if now - p.last_sent >= self.heartbeat:
-            # An idle peer does not probe us back: asked to answer (want), it does so at once.
-            self.ping(p.node_id, want=depended, timeout=min(self.heartbeat, 0.5))
+            # Asked to answer (want), a peer does so at once, and probes us from then on: while
+            # we depend on it, and until we heard from it since probing resumed.
+            self.ping(p.node_id, want=depended or p.last_seen < p.judged_from, timeout=min(self.heartbeat, 0.5))
         # Its silence counts while it must be talking: it answers our pings while we depend on
         # it; otherwise it pings only until its own idle_after since the pair's traffic, which it
-        # may have noticed up to a tick before we did: we stop judging a tick early.
-        judging = depended or now - p.last_traffic < self.idle_after - IDLE_TICK_S
+        # may have noticed a little before we did: we stop judging that much early.
+        judging = depended or now - p.last_traffic < self.idle_after - NOTICE_MARGIN_S
         silent = now - max(p.last_seen, p.judged_from)
         if judging and silent > self.peer_timeout and now > self._stalled_until and not self._busy:
             self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
                                         "crashed or the network between us is down)")
 
     def _send_due_receipts(self) -> None:
-        for p in self._peers.list():
+        while self._owed:
+            p = self._owed.popleft()
             if p.receipt_due and not p.lost:
                 self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))

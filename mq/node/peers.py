@@ -68,13 +68,14 @@ class Peer:
     last_sent: float = 0.0  # any frame to it
     # Data or calls either way (not heartbeats): a pair quiet for longer than liveness's
     # ``idle_after`` is probed no more until traffic or a wait on it resumes (mq.node.liveness). The
-    # heartbeat thread notices traffic by ``tx``/``rx`` moving since its last look (``marks``):
-    # nothing is added to the per-message path. A call in one exchange (torch RPC) sets it.
+    # heartbeat thread notices traffic by ``tx``/``rx`` moving since its last look (``marks``);
+    # the per-message path only checks ``probed`` (traffic on an idle pair: probe it now). A
+    # call in one exchange (torch RPC) sets it.
     # A pair that just joined is idle: a handshake is not traffic, and probing every new pair
     # for idle_after made a forming 256-node mesh ping ~65,000 pairs a second (issue 49).
     last_traffic: float = 0.0
     marks: tuple[int, int] = (0, 0)
-    probed: bool = True
+    probed: bool = False  # (so the probing its first traffic starts counts silence from then)
     depended: bool = False  # a wait of ours depended on it at liveness's last look
     asked: bool = False  # a new wait on it woke the heartbeat thread, which has not looked yet
     judged_from: float = 0.0  # its silence counts from here (when probing resumed)

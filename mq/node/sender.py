@@ -29,6 +29,7 @@ from mq.wire.codec import MSG, RELAY, REP_ERR, REP_OK, REQ, RELEASE, Codec, Fram
 from mq.datapaths.base import DataPath, cuda_buffers, tag_of
 from mq.errors import ClosedError, ConfigError, MQError, PeerLost, ProtocolError, Timeout
 from mq.node.lifecycle import Lifecycle
+from mq.node.waits import PAUSE_RECHECK_S
 from mq.node.peers import Peer, PeerTable
 from mq.node.stats import Stats
 from mq.transport import Receipt, Transport
@@ -71,6 +72,8 @@ class Sender:
         self._metrics = metrics
         self._seq = itertools.count()
         self.waits = peers.waits  # the data paths' waits (pool slots) go through the node's
+        #: called on a counted frame to a peer not probed (liveness: probing resumes now)
+        self.on_traffic: Callable[[Peer], None] = lambda _p: None
         self.releases = _datapath.ReleaseQueue(self.waits)  # every path's: one releaser thread sends them
         self._releaser: threading.Thread | None = None
         # Transports that carry tensors themselves (torch RPC) stage or map GPU tensors their way.
@@ -280,6 +283,8 @@ class Sender:
                 self._peers.wait_in_flight(p, time.monotonic() + timeout)  # flow control (mq.node.peers.Peer)
             with p.tx_lock:  # counted before it leaves: its receipt may beat our return
                 p.tx += 1
+            if not p.probed and not p.asked:  # traffic on an idle pair: probe it now (mq.node.liveness)
+                self.on_traffic(p)
         try:
             receipt = self._send(peer, frame, timeout)
         except BaseException as exc:
@@ -370,7 +375,7 @@ class Sender:
     def _release_loop(self) -> None:
         """Send RELEASE frames for slots our receivers' views no longer reference (batched)."""
         while self._life.state in ("new", "listening", "stopping"):
-            for peer, items in self.releases.take(2.0).items():  # (close() wakes it)
+            for peer, items in self.releases.take(PAUSE_RECHECK_S).items():  # (a stop wakes it)
                 p = self._peer_get(peer)
                 if p is None or p.lost:
                     continue  # its pool went with it

@@ -44,10 +44,11 @@ T = TypeVar("T")
 
 #: The longest a wait goes without looking again at its peers, its node and its condition.
 RECHECK_S = 0.1
-#: ... and a background loop's pause (:meth:`Waits.pause`): its items wake it, and so does a
-#: stop (``wake_all``); looking ten times a second in each of a node's idle loops was most
-#: of what an idle node cost (a few per cent of a core for 32 nodes in one process).
-PAUSE_RECHECK_S = 1.0
+#: ... and a background loop's pause (:meth:`Waits.pause`): its items wake it, and so does
+#: every change of the node's state (:class:`mq.node.lifecycle.Lifecycle` wakes every wait).
+#: Each look of an idle loop costs a thread wake-up: five loops a node looking every second
+#: made a 256-node job burn a fifth of a core doing nothing (issue 49).
+PAUSE_RECHECK_S = 30.0
 #: Node states in which a wait goes on (by default): a stopping node's waits end, but the
 #: answers and the drain of ``stop()`` pass ``LIVE_OR_STOPPING``.
 LISTENING = frozenset({"listening"})

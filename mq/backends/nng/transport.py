@@ -22,6 +22,7 @@ Frames on NNG use :mod:`mq.backends.nng.wire`; options are :class:`mq.backends.n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -56,6 +57,10 @@ from mq.transport import Events, Transport
 
 log = logging.getLogger("mq.nng")
 
+#: The I/O thread's poll() while nothing happens: a frame, a link change and stop() wake it, so
+#: this only bounds a wake-up somebody forgot (mq.node.waits.PAUSE_RECHECK_S); waking twice a
+#: second per node was a large part of what an idle job of many nodes cost (issue 49).
+_IDLE_POLL_MS = int(waits.PAUSE_RECHECK_S * 1000)
 _MAX_LINKS = 1024  # accepted unix and tcp links kept at once (peers, and strangers)
 _LINK_CONNECT_S = 2.0  # a tcp link not open by then (a firewall drops it): NNG's tcp instead
 
@@ -114,7 +119,7 @@ class NngTransport(Transport):
         self._waits = waits.Waits()  # the node's, from start()
         self._recv_timeout_ms = -1
         self._recv_fd = -1
-        self._wake_r = self._wake_w = -1  # a pipe that wakes the I/O thread on close()
+        self._bell: _Doorbell | None = None  # wakes the I/O thread: close(), a link change
         self._net_lock = threading.Lock()
         # Links of our own (unix, tcp): the listeners (fd -> the Inbound class of what they
         # accept), accepted links by fd, and our outgoing ones watched for the peer hanging up
@@ -137,14 +142,8 @@ class NngTransport(Transport):
         tls = {"tls_config": _tls_config(self._tls, pynng.TLSConfig.MODE_SERVER)} if self._tls else {}
         sock = pynng.Pull0(recv_buffer_size=self.send_buffer, recv_max_size=node.max_frame_bytes, **tls)
         self._inbox_sock = sock
-        self._wake_r, self._wake_w = os.pipe()
-        try:
-            listener = sock.listen(("tls+" if self._tls else "") + self.listen_to)
-        except pynng.AddressInUse:
-            raise ConfigError(f"listen_to {self.listen_to!r} is already in use: pick another port "
-                              "(or port 0 for an ephemeral one)") from None
-        except pynng.NNGException as exc:
-            raise ConfigError(f"cannot listen on {self.listen_to!r}: {exc}") from None
+        self._bell = _Doorbell()
+        listener = _listen(sock, self.listen_to, bool(self._tls))
         self.addresses["tcp"] = _advertised_tcp(self.listen_to, listener, bool(self._tls))
         token = f"{os.getpid()}-{self.node_id}-{self.incarnation[:8]}"
         # An abstract unix socket: no file in /tmp, gone with the process even after SIGKILL.
@@ -156,15 +155,9 @@ class NngTransport(Transport):
             self._unix_listener = unixlink.listen(f"mq-{token}-link")
             self.addresses["unix"] = f"mq-{token}-link"
             self._listeners[self._unix_listener.fileno()] = (self._unix_listener, unixlink.Inbound)
-        if self.tcp_links:
-            try:
-                listener = tcplink.listen(tcplink.split_address(self.listen_to)[0])
-            except OSError as exc:  # peers then reach us through NNG's tcp, as without links
-                log.warning("node %d: no tcp link listener on %s (%s): NNG's tcp only",
-                            self.node_id, self.listen_to, exc)
-            else:
-                self.addresses["tcplink"] = self.addresses["tcp"].rpartition(":")[0] + f":{listener.getsockname()[1]}"
-                self._listeners[listener.fileno()] = (listener, tcplink.Inbound)
+        if self.tcp_links and (listener := _tcp_link_listener(self.listen_to, self.node_id)) is not None:
+            self.addresses["tcplink"] = self.addresses["tcp"].rpartition(":")[0] + f":{listener.getsockname()[1]}"
+            self._listeners[listener.fileno()] = (listener, tcplink.Inbound)
         # Read the fd here: a stop() racing the thread's start must not make it read a closed socket.
         self._recv_fd = sock.recv_fd
         self._reader = threading.Thread(target=self._read_loop, args=(self._recv_fd,), daemon=True,
@@ -207,20 +200,20 @@ class NngTransport(Transport):
             inbound = list(self._inbound.values())
             self._inbound.clear()
             self._watched.clear()
-            self._links_gen += 1
+            self._links_changed()
         for link in inbound:
             link.close()
         for listener, _kind in self._listeners.values():
             listener.close()
-        if self._wake_w >= 0:
-            os.write(self._wake_w, b"x")  # wake the I/O thread from poll()
+        with self._net_lock:
+            if self._bell is not None:
+                self._bell.ring()  # wake the I/O thread from poll()
         self._token.stop()
         if self._reader is not None and self._reader is not threading.current_thread():
             waits.join(self._reader, deadline - time.monotonic())
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                os.close(fd)
-        self._wake_r = self._wake_w = -1
+        with self._net_lock:  # (a link change rings it under this lock)
+            if self._bell is not None:
+                self._bell.close()
 
     # ------------------------------------------------------------------ joining
     def greet(self, target: str, frame: Frame, token: str) -> None:
@@ -291,7 +284,7 @@ class NngTransport(Transport):
             if link is not None:
                 box: Any = link
                 self._watched[link.fd] = (peer, link)
-                self._links_gen += 1
+                self._links_changed()
             else:
                 box = self._dial_peer(peer, check_address(address, f"node {peer}'s address"))
             self._out[peer] = box
@@ -315,7 +308,7 @@ class NngTransport(Transport):
         box = self._out.pop(peer, None)
         self._out_incarnation.pop(peer, None)
         if isinstance(box, Sender) and self._watched.pop(box.fd, None) is not None:
-            self._links_gen += 1
+            self._links_changed()
         return box
 
     def _dial_peer(self, peer_id: int, address: str) -> "Outbox":
@@ -364,12 +357,19 @@ class NngTransport(Transport):
             # keep reading (see mq.node.reader_token).
             token.await_turn(stopped)
             # Releases the GIL; wakes when a frame waits, a link comes or goes, or stop() pokes us.
-            events = self._poller(recv_fd).poll(500)
+            events = self._poller(recv_fd).poll(_IDLE_POLL_MS)
             if token.callers:
                 continue
             with token.held():
                 if not self._serve(events, recv_fd, 64):
                     return
+
+    def _links_changed(self) -> None:
+        """The links to read changed (``_net_lock`` held): readers rebuild their poll sets, and
+        the I/O thread, asleep in poll() on its old set, is woken to do so."""
+        self._links_gen += 1
+        if self._bell is not None and threading.current_thread() is not self._reader:
+            self._bell.ring()
 
     def _poller(self, recv_fd: int) -> Any:
         """This thread's poll set over every source of frames, updated when links change."""
@@ -379,7 +379,10 @@ class NngTransport(Transport):
         if poller.gen != self._links_gen:
             with self._net_lock:  # each source by (fd, which link): a reused fd is a new source
                 poller.gen = self._links_gen
-                sources = {(recv_fd, "nng"), (self._wake_r, "wake"), *((fd, x.link) for fd, x in self._inbound.items()),
+                # The doorbell is the I/O thread's alone: a recv() caller that drained it first
+                # would leave the I/O thread asleep on its old set (callers look again each frame).
+                bell = self._bell.fd if self._bell and threading.current_thread() is self._reader else -1
+                sources = {(recv_fd, "nng"), (bell, "wake"), *((fd, x.link) for fd, x in self._inbound.items()),
                            *((fd, x[1].serial) for fd, x in self._watched.items()),
                            *((fd, "listen") for fd in self._listeners)}
             poller.update({(fd, key) for fd, key in sources if fd >= 0})
@@ -398,6 +401,8 @@ class NngTransport(Transport):
                 self._hung_up(fd)
             elif fd in self._listeners:
                 self._accept(*self._listeners[fd])
+            elif self._bell is not None and fd == self._bell.fd:
+                self._bell.drain()  # (the poll set was rebuilt before this poll)
         return True
 
     def _read_nng(self, budget: int) -> bool:
@@ -469,12 +474,12 @@ class NngTransport(Transport):
                     self._node.on_dropped(f"a link past the {_MAX_LINKS} this node keeps")
                     continue
                 self._inbound[link.fd] = link
-                self._links_gen += 1
+                self._links_changed()
 
     def _drop_inbound(self, link: Any) -> None:
         with self._net_lock:
             if self._inbound.pop(link.fd, None) is link:
-                self._links_gen += 1
+                self._links_changed()
         link.close()
 
     def _hung_up(self, fd: int) -> None:
@@ -498,7 +503,7 @@ class NngTransport(Transport):
                 self._forget_out(peer)
             if link is not None and self._watched.get(link.fd, (None, None))[1] is link:
                 del self._watched[link.fd]
-                self._links_gen += 1  # level-triggered: stop watching it, or poll() would spin
+                self._links_changed()  # level-triggered: stop watching it, or poll() would spin
         if box is not None:  # the node hears first: a send the close wakes must raise PeerLost
             if self._state == "listening" and self._node:
                 self._node.on_link_lost(peer, "disconnected (its process died or closed the link)")
@@ -590,6 +595,55 @@ def _tls_config(files: dict[str, str], mode: int, server_name: str | None = None
     return pynng.TLSConfig(mode, ca_string=files["ca"], own_cert_string=files["cert"],
                            own_key_string=files["key"], server_name=server_name,
                            auth_mode=pynng.TLSConfig.AUTH_MODE_REQUIRED)
+
+
+def _listen(sock: Any, address: str, tls: bool) -> Any:
+    """The inbox's listener on ``address``, or a ConfigError that says what to change."""
+    try:
+        return sock.listen(("tls+" if tls else "") + address)
+    except pynng.AddressInUse:
+        raise ConfigError(f"listen_to {address!r} is already in use: pick another port "
+                          "(or port 0 for an ephemeral one)") from None
+    except pynng.NNGException as exc:
+        raise ConfigError(f"cannot listen on {address!r}: {exc}") from None
+
+
+def _tcp_link_listener(listen_to: str, node_id: int) -> Any:
+    """A listener for tcp links beside NNG's port; None where it cannot be had (peers then
+    reach the node through NNG's tcp, as without links)."""
+    try:
+        return tcplink.listen(tcplink.split_address(listen_to)[0])
+    except OSError as exc:
+        log.warning("node %d: no tcp link listener on %s (%s): NNG's tcp only", node_id, listen_to, exc)
+        return None
+
+
+class _Doorbell:
+    """A pipe that wakes a thread asleep in ``poll()`` on :attr:`fd`: rung from any thread,
+    drained by whoever reads. Rung and closed under its owner's lock (a closed fd's number may
+    be reused at once: a late ring must not write into another file)."""
+
+    __slots__ = ("fd", "_w")
+
+    def __init__(self) -> None:
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
+
+    def ring(self) -> None:
+        if self._w >= 0:
+            with contextlib.suppress(BlockingIOError):  # full: the reader is woken already
+                os.write(self._w, b"x")
+
+    def drain(self) -> None:
+        with contextlib.suppress(OSError):  # another reader drained it first, or it closed
+            os.read(self.fd, 4096)
+
+    def close(self) -> None:
+        for fd in (self.fd, self._w):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self._w = -1
 
 
 class _PollSet:
