@@ -174,3 +174,24 @@ def test_traffic_on_an_idle_pair_starts_probing_at_once_at_both_ends():
         assert a.recv(timeout=5).payload == 1
         time.sleep(3 * PEER_TIMEOUT)  # both ends ping: neither is taken for dead
         assert 1 in a.peers() and 0 in b.peers()
+
+
+def test_stop_asks_no_answer_of_a_peer_that_confirmed_everything():
+    """A frozen peer that confirmed every frame holds up no stop(): only a peer that still owes
+    a receipt is asked to answer the goodbye (every node of a 256-node job stopping at once,
+    each waiting for 255 answers, took minutes). Default liveness: waiting on the frozen peer
+    would take its peer_timeout (4 s)."""
+    node = mq.create("nng", 0, listen_to="tcp://127.0.0.1:0", timeout=30)
+    node.listen()
+    proc = _peer(node, "hang")
+    try:
+        node.send(1, "work", 1, timeout=10)
+        node.flush(1, timeout=10)  # confirmed
+        freeze(proc.pid)
+        began = time.monotonic()
+        assert node.stop(timeout=5) is None  # nothing undelivered
+        took = time.monotonic() - began
+        assert took < 2.0, f"stop() waited {took:.2f}s for a peer that owed nothing"
+    finally:
+        node.stop(timeout=1, raise_undelivered=False)
+        _end(proc)
