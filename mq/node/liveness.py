@@ -339,9 +339,14 @@ class Liveness:
             if p.rx != p.rx_told:
                 self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))  # the receipt it is owed
             return
+        busy = now - p.last_traffic < self.idle_after - NOTICE_MARGIN_S  # it probes us on its own
         if not p.probed or (depended and not p.depended):
-            # Probing resumes, or a wait came to depend on it: its silence counts from now.
-            p.probed, p.judged_from = True, now
+            # Probing resumes, or a wait came to depend on it: its silence counts from now,
+            # unless it was judged already (a busy pair: its silence so far is real; counting
+            # anew put off the loss of a peer frozen mid-stream by the time a socket took to fill).
+            if not (p.probed and busy):
+                p.judged_from = now
+            p.probed = True
             p.last_sent = 0.0
         p.depended = depended
         if now - p.last_sent >= self.heartbeat:
@@ -351,7 +356,7 @@ class Liveness:
         # Its silence counts while it must be talking: it answers our pings while we depend on
         # it; otherwise it pings only until its own idle_after since the pair's traffic, which it
         # may have noticed a little before we did: we stop judging that much early.
-        judging = depended or now - p.last_traffic < self.idle_after - NOTICE_MARGIN_S
+        judging = depended or busy
         silent = now - max(p.last_seen, p.judged_from)
         if judging and silent > self.peer_timeout and now > self._stalled_until and not self._busy:
             self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
