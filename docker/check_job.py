@@ -39,8 +39,19 @@ def _say(ctx: mq.Context, role: str, text: str) -> None:
 
 
 def main(ctx: mq.Context) -> None:
-    q = ctx.mq
     role = "learner" if "learner" in ctx.labels else "collector"
+    try:
+        _check(ctx, role)
+    except Exception:
+        # What this node saw, for the log: peers, routes, who subscribes, losses and refusals.
+        m = ctx.mq.metrics()
+        _say(ctx, role, f"FAILED; peers {ctx.mq.peers()}, routes {m['routes']}, lost {m['peers_lost']}, "
+             f"drops {m['drops']}, rejected {m['rejected']}")
+        raise
+
+
+def _check(ctx: mq.Context, role: str) -> None:
+    q = ctx.mq
     peer = q.wait_for_peers(1, timeout=TIMEOUT)[0]
     if role == "learner":
         q.subscribe("digest")

@@ -16,7 +16,7 @@ import pytest
 import mq
 from mq.wire import handshake
 from mq.auth import nonce, resolve_secret
-from mq.wire.codec import HELLO, HELLO_ACK, LINK, Codec
+from mq.wire.codec import HELLO, HELLO_ACK, LINK, SUBS, Codec
 from mq.locality import local
 from mq.registry import backend_class
 from mq.testing import wait_until
@@ -266,3 +266,35 @@ def test_greeting_again_past_the_answers_held_keeps_the_first_answer_provable():
     finally:
         node.stop(timeout=1.0)
         stranger.close()
+
+
+def test_a_subscribe_racing_with_the_join_is_not_undone_by_the_joins_own_announcement():
+    """scripts/docker's check job lost a subscription: the node the collector joined subscribed
+    the moment wait_for_peers() returned, while its I/O thread was still sending the joined
+    peer the topics it had taken a moment before. The older set arrived last and undid the newer
+    ("1 subscriber(s) of 'digest' did not appear"). Here the I/O thread's send is held up, so
+    the two sends always cross unless they are kept in the order their sets were taken."""
+    member_at = address("member")
+    member = mq.create("inproc", 0, listen_to=member_at, secret=SECRET, timeout=10).listen()
+    member.subscribe("abort")  # (as `mq run` does: its join then announces a non-empty set)
+    send_control = member._sender.send_control
+    held_up = threading.Event()
+
+    def slow_on_other_threads(peer: int, kind: int, payload: Any, *args: Any, **kw: Any) -> None:
+        if kind == SUBS and threading.current_thread() is not threading.main_thread():
+            held_up.set()
+            time.sleep(0.5)  # the subscribe() below sends meanwhile
+        send_control(peer, kind, payload, *args, **kw)
+
+    member._sender.send_control = slow_on_other_threads
+    newcomer = mq.create("inproc", 1, attach_to=[member_at], secret=SECRET, timeout=10).listen()
+    try:
+        member.wait_for_peers(ids=[1], timeout=10)
+        member.subscribe("digest")
+        assert held_up.is_set()  # (the race was set up: the join's own announcement was slow)
+        assert newcomer.wait_for_subscribers("digest", 1, timeout=5) == [0]
+        time.sleep(0.7)  # anything still in flight has arrived: the newest set stays
+        assert newcomer.wait_for_subscribers("digest", 1, timeout=1) == [0]
+    finally:
+        newcomer.stop(timeout=1.0)
+        member.stop(timeout=1.0)

@@ -132,8 +132,9 @@ class MQ:
         hello = {"labels": sorted(self.labels), "locality": self.locality.to_dict(),
                  "incarnation": self.incarnation, "mq_type": self.mq_type,
                  "max_frame_bytes": opts.max_frame_bytes, "window": window}
-        self._join = join = Join(node_id, hello, self.locality, delivery.topics, transport, sender, peers,
-                                 refusals, life, secret=self.secret, timeout=self.timeout,
+        self._subs_order = threading.Lock()  # see _announce_subscriptions
+        self._join = join = Join(node_id, hello, self.locality, delivery.topics, self._announce_subscriptions,
+                                 transport, sender, peers, refusals, life, secret=self.secret, timeout=self.timeout,
                                  required=opts.require_route,
                                  world_size=getattr(getattr(transport, "rendezvous", None), "world_size", None))
         self._fanout = fanout = _fanout.Fanout(
@@ -261,16 +262,25 @@ class MQ:
     def subscriptions(self) -> frozenset[str]:
         return self._delivery.topics()
 
-    def _announce_subscriptions(self) -> None:
-        if self._life.state != "listening":
-            return  # announced in the handshake instead
-        topics = sorted(self.subscriptions())
-        for peer in self._peers.live():
-            try:
-                self._sender.send_frame(peer, SUBS, "", topics, timeout=self.timeout)
-            except MQError as exc:
-                log.warning("node %d: could not tell node %d about subscriptions: %s",
-                            self.node_id, peer, exc)
+    def _announce_subscriptions(self, to: list[int] | None = None) -> None:
+        """Send our topics to ``to`` (a peer that just joined) or to every live peer.
+
+        One thread at a time from taking the set to sending it: a join's announcement (on the
+        I/O thread) and a subscribe() racing with it reach the peer in the order their sets
+        were taken. Taken in one order and sent in the other, the older set arrived last and
+        undid the newer: a topic subscribed as the peer joined never reached it."""
+        with self._subs_order:
+            topics = sorted(self.subscriptions())
+            if to is None:
+                if self._life.state != "listening":
+                    return  # announced in the handshake instead
+                to = self._peers.live()
+            for peer in to:
+                try:
+                    self._sender.send_control(peer, SUBS, topics, self.timeout)
+                except MQError as exc:
+                    log.warning("node %d: could not tell node %d about subscriptions: %s",
+                                self.node_id, peer, exc)
 
     # ------------------------------------------------------------------ sending
     def send(self, peer: int, topic: str, payload: Any, *, timeout: float | None = None) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 from mq import auth as _auth
 from mq.wire import handshake as _handshake
 from mq.node import peer_route
-from mq.wire.codec import HELLO, HELLO_ACK, LINK, SUBS, Envelope
+from mq.wire.codec import HELLO, HELLO_ACK, LINK, Envelope
 from mq.errors import ConfigError, MQError, ProtocolError
 from mq.node.lifecycle import Lifecycle
 from mq.locality import Locality
@@ -65,18 +65,22 @@ class Join:
         hello: what this node tells others of itself: ``labels`` (sorted), ``locality`` (wire
             form), ``incarnation``, ``mq_type``, ``max_frame_bytes``.
         subscriptions: the topics this node subscribes to now.
+        announce: sends them to the given peers (after a join: they may have changed since
+            the handshake carried them).
         secret: the job's :class:`mq.auth.Secret`, None when insecure.
         timeout: how long a join may wait for its LINK.
     """
 
     def __init__(self, node_id: int, hello: dict[str, Any], locality: Locality,
-                 subscriptions: Callable[[], frozenset[str]], transport: Transport, sender: Sender,
+                 subscriptions: Callable[[], frozenset[str]], announce: Callable[[list[int]], None],
+                 transport: Transport, sender: Sender,
                  peers: PeerTable, refusals: Refusals, life: Lifecycle, *, secret: Any, timeout: float,
                  required: Any = None, world_size: int | None = None):
         self.node_id = node_id
         self._hello = hello
         self._locality = locality
         self._subscriptions = subscriptions
+        self._announce = announce
         self._transport = transport
         self._sender = sender
         self._peers = peers
@@ -359,12 +363,7 @@ class Join:
             self._sender.forget(replaced)
         # The handshake carried our subscriptions as they were then; send the current set on the
         # new link so a subscribe() racing with the join is never lost.
-        if self._subscriptions():
-            try:
-                self._sender.send_control(peer.node_id, SUBS, sorted(self._subscriptions()), self._timeout)
-            except MQError as exc:
-                log.warning("node %d: could not answer the handshake of node %d: %s",
-                            self.node_id, peer.node_id, exc)
+        self._announce([peer.node_id])
 
     # ------------------------------------------------------------------ routes
     def _new_peer(self, info: dict[str, Any]) -> Peer:
