@@ -92,7 +92,7 @@ class StoreServer:
         uses sleeps (a request or close() wakes it): it serves a job that may idle for days."""
         now = time.monotonic()
         due = [w.deadline for w in self._waiting]
-        due += [c.stalls_at() for c in self._conns.values() if c.stalls_at()]
+        due += [at for c in self._conns.values() if (at := c.stalls_at())]
         return max(0.0, min(due, default=now + _IDLE_S) - now)
 
     def _accept(self) -> None:

@@ -633,7 +633,10 @@ def test_bench_fleet_bad_inputs_are_usage_errors_before_any_process_starts(args,
 def test_bench_fleet_runs_a_small_job_and_reports_each_measure():
     from mq.tools.bench import fleet as bench_fleet
 
-    row = bench_fleet.run(4, 2, idle=1.0, timeout=30.0, settle=0.5)
+    row = bench_fleet.run(4, 2, idle=1.0, timeout=30.0, settle=0.5, rounds=2)
     assert row["errors"] == [] and row["nodes"] == 4 and row["procs"] == 2
     assert 0 < row["join_s"] < 60 and 0 <= row["idle_cpu"] < 2 and 0 <= row["stop_s"] < 10
-    assert "join s" in bench_fleet.table([row])
+    # every round reached every node (a round that lost a message would be an error, not a time)
+    for key in ("publish_small_s", "publish_large_s", "gather_s"):
+        assert len(row[key]) == 2 and all(0 < t < 30 for t in row[key]), (key, row)
+    assert "join s" in bench_fleet.table([row]) and "gather ms" in bench_fleet.table([row])

@@ -77,6 +77,10 @@ class Liveness:
         self._stats = stats  # its frame counts: a tick that finds them unchanged skips the peers
         self._quiet = False  # the last look found every peer idle and owed nothing
         self._stalled_until = 0.0  # our reader was blocked on a full queue: judge no peer silent
+        # When the first peer judged silent passes peer_timeout (the heartbeat wakes then, not at
+        # its next tick: a peer answering our pings at once falls silent in step with our ticks,
+        # and a tick's rounding put every such loss off by a whole tick).
+        self._verdict_at = float("inf")
         self._busy = 0  # readers working on one frame for a while (reader_busy)
         self._busy_lock = threading.Lock()
         self._waits = peers.waits
@@ -271,11 +275,11 @@ class Liveness:
         # Also while stopping: stop()'s drain waits for peers' answers, and a peer that froze
         # meanwhile must be judged silent (and the drain end) within peer_timeout.
         while self._life.state in ("listening", "stopping"):
-            due = last + tick
+            due = min(last + tick, self._verdict_at)
             if self._wanted.wait(max(0.0, due - time.monotonic())):
                 self._wanted.clear()
                 self._send_due_receipts()
-                if self._probe_new_dependents():
+                if self._probe_those_asked():
                     tick = busy_tick  # a peer probed now is probed every heartbeat from now on
                 if time.monotonic() < last + tick:
                     continue
@@ -290,6 +294,7 @@ class Liveness:
             depended, idle_since = self._waits.depended, now - self.idle_after
             frames = (self._stats.sent, self._stats.received)
             probing = False
+            self._verdict_at = float("inf")  # (each look below sets it anew)
             if not (self._quiet and frames == self._frames and not stalled and not depended):
                 self._quiet = True
                 for p in self._peers.list():
@@ -311,7 +316,7 @@ class Liveness:
             joining = housekeeping(now)
             tick = busy_tick if probing else max(busy_tick, JOIN_TICK_S if joining else IDLE_TICK_S)
 
-    def _probe_new_dependents(self) -> bool:
+    def _probe_those_asked(self) -> bool:
         """Probe the peers waits came to depend on, or traffic resumed with (now, not at the
         next tick); True if any."""
         now, stalled, probed = time.monotonic(), self._busy > 0, False
@@ -358,7 +363,9 @@ class Liveness:
         # may have noticed a little before we did: we stop judging that much early.
         judging = depended or busy
         silent = now - max(p.last_seen, p.judged_from)
-        if judging and silent > self.peer_timeout and now > self._stalled_until and not self._busy:
+        if judging and silent <= self.peer_timeout:
+            self._verdict_at = min(self._verdict_at, now + self.peer_timeout - silent + 0.001)
+        elif judging and now > self._stalled_until and not self._busy:
             self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
                                         "crashed or the network between us is down)")
 
