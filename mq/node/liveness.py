@@ -276,7 +276,11 @@ class Liveness:
         # meanwhile must be judged silent (and the drain end) within peer_timeout.
         while self._life.state in ("listening", "stopping"):
             due = min(last + tick, self._verdict_at)
-            if self._wanted.wait(max(0.0, due - time.monotonic())):
+            began = time.monotonic()
+            woken = self._wanted.wait(max(0.0, due - began))
+            # How late the wait came back (not our own sends, which may wait on a full link).
+            overslept = time.monotonic() - max(due, began)
+            if woken:
                 self._wanted.clear()
                 self._send_due_receipts()
                 if self._probe_those_asked():
@@ -285,7 +289,7 @@ class Liveness:
                     continue
             now = time.monotonic()
             # (against the tick it slept for: woken early out of a long idle tick is no stall)
-            if now > due + 1.0:
+            if overslept > 1.0:
                 # We were not scheduled (a loaded machine, a long GIL hold): frames may be waiting
                 # unread, so nobody's silence is proven. Judge again from now on.
                 self._stalled_until = max(self._stalled_until, now + self.heartbeat)
