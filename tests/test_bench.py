@@ -629,6 +629,15 @@ def test_bench_fleet_bad_inputs_are_usage_errors_before_any_process_starts(args,
     assert result.exit_code != 0 and says in result.output, result.output
 
 
+@pytest.mark.timeout(30)
+def test_bench_fleet_refuses_negative_rounds_before_any_process_starts(capsys):
+    from mq.tools.bench import fleet as bench_fleet
+
+    with pytest.raises(SystemExit) as exc:
+        bench_fleet.main(["--nodes", "4", "--procs", "2", "--rounds", "-1"])
+    assert exc.value.code == 2 and "--rounds must be 0 or more" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(120)
 def test_bench_fleet_runs_a_small_job_and_reports_each_measure():
     from mq.tools.bench import fleet as bench_fleet

@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="append the result here (one JSON line)")
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rounds < 0:
+        ap.error(f"--rounds must be 0 or more (0: no traffic rounds), got {args.rounds}")
     if args.worker:
         first, count, world, port, timeout = args.worker
         _worker(int(first), int(count), int(world), int(port), float(timeout))
