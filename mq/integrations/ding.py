@@ -30,8 +30,12 @@ that starts first and emits its first context before the learner's ``ContextExch
 subscribes: the learner then waits forever). Here such an event is held for
 :data:`HOLD_S` (at most :data:`HOLD_MAX` per topic) and handed over once the topic is
 subscribed; what expires unheard is counted (``metrics()["ding_expired"]``) and logged once.
-Before its first ``publish``, a worker waits (up to :data:`JOIN_WAIT_S`) for the peers of its
-topology to join, so an early event does not miss a peer still starting.
+A worker's queue listens and waits (up to :data:`JOIN_WAIT_S`) for the peers of its topology to
+join when ``Parallel._run`` builds it, before ``main`` starts: DI-engine then sleeps 0.3 s
+"waiting for network pairing" and starts ``main``, so workers whose processes started seconds
+apart (spawn and imports on a loaded host) begin ``main`` together, and an early event does not
+miss a peer still starting. DI-engine's later ``listen`` call (on its listener thread) finds the
+queue listening.
 
 DI-engine pickles its events into bytes; mq carries those bytes and unpickles nothing. ``recv``
 waits in slices of :data:`RECV_SLICE_S` and returns None once ``stop`` was called, so the
@@ -47,6 +51,7 @@ module does not import it at top level.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 import os
@@ -87,7 +92,7 @@ HOLD_MAX = 256
 #: After a late subscription, held events are handed over this much later: DI-engine's
 #: ``router.on`` subscribes first and registers its handler just after.
 HANDOVER_DELAY_S = 0.2
-#: How long ``listen`` waits for the topology's peers to join before events may go out.
+#: How long building a worker's queue waits for the topology's peers to join (``main`` waits).
 JOIN_WAIT_S = 30.0
 #: DI-engine's default base port for ``protocol="tcp"`` (``Parallel.get_node_addrs``).
 DING_BASE_PORT = 50515
@@ -117,8 +122,10 @@ class WorkerSpec:
 class MQOnDing(DingMQ):
     """DI-engine's MQ interface over one :class:`mq.MQ`.
 
-    Built by ``Parallel._run`` in the worker's main thread (``mq.create``: bad options fail
-    there); ``listen`` runs on DI-engine's listener thread, which then loops on ``recv``.
+    Built by ``Parallel._run`` in the worker's main thread: ``mq.create`` (bad options fail
+    there), ``listen`` and the wait for the topology's peers (module docstring), all before
+    ``main``. DI-engine's listener thread then calls ``listen`` (already done) and loops on
+    ``recv``.
     """
 
     def __init__(self, mq_spec: WorkerSpec, **_ignored: Any) -> None:
@@ -126,44 +133,37 @@ class MQOnDing(DingMQ):
         self.attach_to = list(mq_spec.attach_to)
         self.q = mq.create(mq_spec.mq_type, node_id=mq_spec.node_id, labels=set(mq_spec.labels),
                            **mq_spec.options)
-        self._lock = threading.Lock()
-        self._pending: set[str] = set()  # subscribed before listen() finished
-        self._ready = Flag()  # listen() finished (or failed)
         self._stopped = Flag()
-        self._error: BaseException | None = None
         self._held = _HeldEvents()
         self._warned: set[str] = set()
         _children_take_their_stop_signal()
+        # Parallel._run imports DI-engine's middleware (about 1 s, seconds on a loaded host)
+        # between building this queue and main: imported here, before the pairing, that time
+        # does not come between the paired workers' mains.
+        importlib.import_module("ding.framework.middleware.barrier")
+        self._pair()
+
+    def _pair(self) -> None:
+        """Listen and wait for the topology's peers; a queue that cannot listen is stopped and
+        the error ends the worker (DI-engine's pool re-raises it in the parent)."""
+        try:
+            self.q.listen()
+        except BaseException:
+            self.q.stop(timeout=STOP_TIMEOUT_S, raise_undelivered=False)
+            raise
+        if self.spec.peers:
+            try:
+                self.q.wait_for_peers(ids=list(self.spec.peers), timeout=JOIN_WAIT_S)
+            except Timeout as exc:
+                log.warning("node %d: %s; events go to the peers that joined", self.spec.node_id, exc)
 
     # ------------------------------------------------------------------ DI-engine's interface
     def listen(self) -> None:
-        try:
-            self.q.listen()
-            with self._lock:
-                for topic in sorted(self._pending):
-                    self.q.subscribe(topic)
-                self._pending.clear()
-            if self.spec.peers:  # an early event must not miss a peer that is still starting
-                try:
-                    self.q.wait_for_peers(ids=list(self.spec.peers), timeout=JOIN_WAIT_S)
-                except Timeout as exc:
-                    log.warning("node %d: %s; events go to the peers that joined", self.spec.node_id, exc)
-        except BaseException as exc:
-            self._error = exc
-            log.error("node %d: mq %s could not listen: %s", self.spec.node_id, self.spec.mq_type, exc)
-            raise
-        finally:
-            self._ready.set()
+        """Already listening (the queue listened when it was built)."""
 
     def publish(self, topic: str, data: bytes) -> None:
         if self._stopped.is_set():
             return
-        if not self._ready.wait(self.q.timeout):
-            raise Timeout(f"node {self.spec.node_id}: mq {self.spec.mq_type} did not finish listen() "
-                          f"within {self.q.timeout} s")
-        if self._error is not None:
-            raise ConfigError(f"node {self.spec.node_id}: mq {self.spec.mq_type} failed to listen: "
-                              f"{self._error}") from self._error
         for peer in self.q.peers():  # every peer, as DI-engine's bus (module docstring)
             try:
                 self.q.send(peer, topic, data)
@@ -176,27 +176,16 @@ class MQOnDing(DingMQ):
                 return
 
     def subscribe(self, topic: str) -> None:
-        with self._lock:
-            if self._ready.is_set() and self._error is None:
-                self.q.subscribe(topic)
-            else:
-                self._pending.add(topic)
+        self.q.subscribe(topic)
         self._held.release(topic, time.monotonic() + HANDOVER_DELAY_S)
 
     def unsubscribe(self, topic: str) -> None:
-        with self._lock:
-            if topic in self._pending:
-                self._pending.discard(topic)
-            elif self._ready.is_set() and self._error is None and topic in self.q.subscriptions():
-                self.q.unsubscribe(topic)
+        if topic in self.q.subscriptions():
+            self.q.unsubscribe(topic)
 
     def recv(self) -> tuple[str, bytes] | None:
         """The next (topic, bytes); None once stopped (DI-engine's listener loop then ends)."""
         while not self._stopped.is_set():
-            if not self._ready.wait(RECV_SLICE_S):
-                continue
-            if self._error is not None:
-                return None
             due = self._held.due(time.monotonic())
             if due is not None:
                 return due
@@ -216,7 +205,7 @@ class MQOnDing(DingMQ):
                            "(DI-engine events are bytes)", self.spec.node_id, type(payload).__name__,
                            msg.topic, msg.sender)
                 continue
-            if msg.topic in self._pending or msg.topic in self.q.subscriptions():
+            if msg.topic in self.q.subscriptions():
                 if not self._held.behind(msg.topic, payload):  # held ones of its topic go first
                     return msg.topic, payload
                 continue
@@ -231,7 +220,6 @@ class MQOnDing(DingMQ):
         if self._stopped.is_set():
             return
         self._stopped.set()
-        self._ready.set()
         # DI-engine's shutdown has no place for our error: what was never confirmed is logged
         # (mq.Undelivered names each peer and the count).
         self.q.stop(timeout=STOP_TIMEOUT_S, raise_undelivered=False)

@@ -2,6 +2,7 @@
 run through ``Parallel.runner(..., mq_type="mq:...")``: ``python -m tests.ding_jobs.scenarios
 <scenario> <mq type>`` prints ``OK <scenario> <mq type> <seconds>`` or fails."""
 
+import os
 import sys
 import time
 from collections import defaultdict
@@ -138,6 +139,14 @@ def run(scenario, mq_type):
         raises(lambda: Parallel.runner(n_parallel_workers=3, mq_type=mq_type, topology="mesh",
                                        auto_recover=True, max_retries=0, startup_interval=0.1)(AutoRecover.main),
                "P1 Error")
+    elif scenario == "late_start":  # not DI-engine's: its second worker starts 2.5 s late (late_start.py)
+        import tempfile
+
+        from tests.ding_jobs.late_start import late_main
+
+        with tempfile.TemporaryDirectory() as marker_dir:
+            os.environ["MQ_TEST_LATE_START"] = marker_dir  # the spawned workers inherit it
+            Parallel.runner(n_parallel_workers=2, mq_type=mq_type, startup_interval=0.1)(late_main)
     elif scenario in DISTRIBUTER:
         # DI-engine's own ding/framework/middleware/tests/test_distributer.py mains, unchanged
         from ding.framework.middleware.tests import test_distributer
