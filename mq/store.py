@@ -18,13 +18,15 @@ closed.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import selectors
 import socket
 import struct
 import threading
 import time
-from typing import Any, NamedTuple
+from itertools import filterfalse
+from typing import Any
 
 import msgpack
 
@@ -34,15 +36,26 @@ from mq.errors import ProtocolError, Timeout
 log = logging.getLogger("mq.store")
 
 MAX_MESSAGE = 1 << 20  # an entry is a few hundred bytes; a wait for 10,000 keys is ~100 KB
+#: Keys one wait asks for: its answer carries their values (an nng node's entry is ~200 bytes),
+#: so a rendezvous of any size stays under MAX_MESSAGE (one wait for 5,000 nodes' entries did not).
+WAIT_PAGE = 2048
 _LENGTH = struct.Struct(">I")
 _IDLE_S = 30.0  # the store's loop looks at least this often (nothing is due while idle)
 _STALLED_S = 10.0  # a connection that began a message and sent nothing more for this long is closed
 _RETRY_S = (0.02, 0.5)  # first and longest pause between attempts to reach a store not up yet
+_WAITS_PER_CONN = 64  # a node has one open at a time; a stranger cannot pile them up
+_ANSWERS_KEPT = 64  # answers kept for the next wait for the same keys (a rendezvous has N / WAIT_PAGE)
 
 
 class StoreServer:
     """The store node 0 serves on ``port`` of every interface (as torch's TCPStore does), until
-    :meth:`close`. ``world_size`` bounds what it keeps: keys and connections a few per node."""
+    :meth:`close`. ``world_size`` bounds what it keeps: keys and connections a few per node.
+
+    Every node of a rendezvous waits for every node's entry, so a set must not look at every
+    wait (N sets times N waits: 14 CPU-seconds for 3,000 nodes). A wait is filed under one key it
+    misses and looked at again only when that key is set; it then reads on through its keys from
+    where it stopped (keys are never unset), so each wait reads each of its keys about once.
+    """
 
     def __init__(self, port: int, world_size: int):
         self.max_keys = 64 + 8 * world_size
@@ -56,7 +69,13 @@ class StoreServer:
         self.port = self._sock.getsockname()[1]
         self._values: dict[str, bytes] = {}
         self._conns: dict[socket.socket, _Conn] = {}
-        self._waiting: list[_Wait] = []
+        self._filed: dict[str, list[_Wait]] = {}  # a missing key -> the waits filed under it
+        self._deadlines: list[tuple[float, int, _Wait]] = []  # a heap; answered waits stay until popped
+        self._open_waits = 0
+        # A complete wait's answer by its keys: every node of a rendezvous asks for the same pages.
+        self._answers: dict[tuple[str, ...], bytes] = {}
+        self._partial: set[_Conn] = set()  # connections in the middle of a message
+        self._unsendable: list[_Conn] = []  # an answer to them could not be sent: dropped next
         self._select = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._select.register(self._sock, selectors.EVENT_READ)
@@ -91,8 +110,9 @@ class StoreServer:
         """Until the next thing due: a wait's deadline, a stalled connection's; a store nobody
         uses sleeps (a request or close() wakes it): it serves a job that may idle for days."""
         now = time.monotonic()
-        due = [w.deadline for w in self._waiting]
-        due += [at for c in self._conns.values() if (at := c.stalls_at())]
+        due = [at for c in self._partial if (at := c.stalls_at())]
+        if self._deadlines:
+            due.append(self._deadlines[0][0])
         return max(0.0, min(due, default=now + _IDLE_S) - now)
 
     def _accept(self) -> None:
@@ -126,53 +146,115 @@ class StoreServer:
                 msgpack.StackError) as exc:
             log.warning("rendezvous store: closed a connection that sent a bad request: %s", exc)
             self._drop(conn)
+            return
+        if not conn.open:  # an answer could not be sent
+            self._drop(conn)
+        elif conn.stalls_at():
+            self._partial.add(conn)
+        else:
+            self._partial.discard(conn)
 
     def _handle(self, conn: _Conn, request: Any) -> None:
         op = request[0] if type(request) is list and request else None
         if op == "set" and len(request) == 3 and type(request[1]) is str and type(request[2]) is bytes:
-            if request[1] not in self._values and len(self._values) >= self.max_keys:
+            key = request[1]
+            if key not in self._values and len(self._values) >= self.max_keys:
                 raise ProtocolError(f"the store holds its limit of {self.max_keys} keys")
-            self._values[request[1]] = request[2]
+            if key in self._values:  # set again (a node restarted): answers made before are stale
+                self._answers.clear()
+            self._values[key] = request[2]
             conn.send(["ok"])
-            for w in self._waiting:
-                w.missing.discard(request[1])
-            self._expire(time.monotonic())  # waits this set completed are answered now
+            for w in self._filed.pop(key, ()):
+                self._file(w)
         elif (op == "wait" and len(request) == 3 and type(request[1]) is list and len(request[1]) <= self.max_keys
-              and all(type(k) is str for k in request[1]) and type(request[2]) in (int, float)):
-            keys = request[1]
+              and set(map(type, request[1])) <= {str} and type(request[2]) in (int, float)):
+            if len(conn.waits) >= _WAITS_PER_CONN:
+                raise ProtocolError(f"over {_WAITS_PER_CONN} waits open on one connection")
             deadline = time.monotonic() + max(0.0, min(request[2], 86400.0))
-            self._waiting.append(_Wait(conn, keys, {k for k in keys if k not in self._values}, deadline))
-            self._expire(time.monotonic())
+            w = _Wait(conn, tuple(request[1]), deadline)
+            conn.waits.add(w)
+            self._open_waits += 1
+            heapq.heappush(self._deadlines, (deadline, id(w), w))
+            framed = self._answers.get(w.keys)
+            if framed is not None:
+                self._answer_packed(w, framed)
+            else:
+                self._file(w)
         else:
             raise ProtocolError(f"not a store request: {str(request)[:80]}")
 
+    def _file(self, w: _Wait) -> None:
+        """File ``w`` under the next key it misses, or answer it: it misses none."""
+        if w.done:
+            return
+        missing = next(filterfalse(self._values.__contains__, w.unread), None)
+        if missing is None:
+            framed = self._answers.get(w.keys)
+            if framed is None:
+                if len(self._answers) >= _ANSWERS_KEPT:
+                    self._answers.clear()
+                framed = self._answers[w.keys] = _pack(["ok", [self._values[k] for k in w.keys]])
+            self._answer_packed(w, framed)
+        else:
+            self._filed.setdefault(missing, []).append(w)
+
     def _expire(self, now: float) -> None:
-        """Answer the waits whose keys are all set, or whose time is up; close stalled conns."""
-        still = []
-        for w in self._waiting:
-            if not w.missing:
-                w.conn.send(["ok", [self._values[k] for k in w.keys]])
-            elif now >= w.deadline:
-                w.conn.send(["missing", [k for k in w.keys if k in w.missing]])
-            elif w.conn.open:
-                still.append(w)
-        self._waiting = still
-        for conn in [c for c in self._conns.values() if c.stalled(now) or not c.open]:
+        """Answer the waits whose time is up; close stalled connections."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            w = heapq.heappop(self._deadlines)[2]
+            if not w.done:
+                self._answer(w, ["missing", [k for k in w.keys if k not in self._values]])
+        for conn in [c for c in self._partial if c.stalled(now)]:
             self._drop(conn)
+        while self._unsendable:
+            self._drop(self._unsendable.pop())
+
+    def _answer(self, w: _Wait, message: Any) -> None:
+        self._answer_packed(w, _pack(message))
+
+    def _answer_packed(self, w: _Wait, framed: bytes) -> None:
+        w.conn.send_packed(framed)
+        self._close_wait(w)
+        if not w.conn.open:
+            self._unsendable.append(w.conn)
+
+    def _close_wait(self, w: _Wait) -> None:
+        w.done = True
+        w.conn.waits.discard(w)
+        self._open_waits -= 1
+        if len(self._deadlines) > 2 * self._open_waits + 64:  # closed waits pile up: sweep them
+            self._deadlines = [e for e in self._deadlines if not e[2].done]
+            heapq.heapify(self._deadlines)
+            self._filed = {k: live for k, ws in self._filed.items() if (live := [x for x in ws if not x.done])}
 
     def _drop(self, conn: _Conn) -> None:
         if self._conns.pop(conn.sock, None) is not None:
             self._select.unregister(conn.sock)
+        self._partial.discard(conn)
+        for w in list(conn.waits):  # nobody to answer
+            self._close_wait(w)
         conn.close()
 
 
-class _Wait(NamedTuple):
-    """A client waiting for ``keys``: those still unset, and until when it waits."""
+def _pack(message: Any) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    return _LENGTH.pack(len(body)) + body
 
-    conn: _Conn
-    keys: list[str]
-    missing: set[str]
-    deadline: float
+
+class _Wait:
+    """A client waiting for ``keys`` until ``deadline``; ``unread``: its keys not read yet (those
+    read were set, and keys are never unset). They are read in the order of a set (the keys'
+    hashes), not as listed: nodes set their entries in about the order of their ids, and waits
+    reading in that order would each be filed again at every set."""
+
+    __slots__ = ("conn", "keys", "unread", "deadline", "done")
+
+    def __init__(self, conn: _Conn, keys: tuple[str, ...], deadline: float):
+        self.conn = conn
+        self.keys = keys
+        self.unread = iter(set(keys))
+        self.deadline = deadline
+        self.done = False
 
 
 class _Conn:
@@ -181,6 +263,7 @@ class _Conn:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.open = True
+        self.waits: set[_Wait] = set()  # its open waits
         self._buf = bytearray()
         self._since = 0.0  # when the unfinished message began (0: none)
 
@@ -207,12 +290,15 @@ class _Conn:
         return self._since + _STALLED_S + 0.01 if self._since else 0.0
 
     def send(self, message: Any) -> None:
-        """Answer (small: it fits the socket's buffer; a client that does not read is dropped)."""
-        body = msgpack.packb(message, use_bin_type=True)
+        self.send_packed(_pack(message))
+
+    def send_packed(self, framed: bytes) -> None:
+        """Answer (at most a page of entries, ~400 KB; a client that does not take it within 1 s
+        is dropped: the store serves everyone from one thread)."""
         try:
             self.sock.setblocking(True)
             self.sock.settimeout(1.0)
-            self.sock.sendall(_LENGTH.pack(len(body)) + body)
+            self.sock.sendall(framed)
             self.sock.setblocking(False)
         except OSError:
             self.open = False
@@ -250,11 +336,26 @@ class StoreClient:
             raise ProtocolError("the rendezvous store did not take our entry")
 
     def wait(self, keys: list[str], timeout: float) -> list[bytes]:
-        """Every key's value, once all are set.
+        """Every key's value, once all are set (asked for :data:`WAIT_PAGE` keys at a time).
 
         Raises:
-            Missing: ``timeout`` passed first (it names the keys still unset).
+            Missing: ``timeout`` passed first (it names every key still unset).
         """
+        deadline = time.monotonic() + timeout
+        values: list[bytes] = []
+        missing: list[str] = []
+        for start in range(0, len(keys), WAIT_PAGE):
+            page = keys[start:start + WAIT_PAGE]
+            left = 0.0 if missing else max(0.0, deadline - time.monotonic())  # late: only name the rest
+            try:
+                values += self._wait_page(page, left)
+            except Missing as exc:
+                missing += exc.keys
+        if missing:
+            raise Missing(missing)
+        return values
+
+    def _wait_page(self, keys: list[str], timeout: float) -> list[bytes]:
         answer = self._ask(["wait", keys, timeout], timeout + 5.0)
         if type(answer) is list and len(answer) == 2 and answer[0] in ("ok", "missing") and type(answer[1]) is list:
             if answer[0] == "ok" and len(answer[1]) == len(keys) and all(type(v) is bytes for v in answer[1]):

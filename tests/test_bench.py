@@ -649,3 +649,29 @@ def test_bench_fleet_runs_a_small_job_and_reports_each_measure():
     for key in ("publish_small_s", "publish_large_s", "gather_s"):
         assert len(row[key]) == 2 and all(0 < t < 30 for t in row[key]), (key, row)
     assert "join s" in bench_fleet.table([row]) and "gather ms" in bench_fleet.table([row])
+
+
+@pytest.mark.timeout(120)
+def test_bench_rendezvous_plays_a_job_larger_than_a_page_and_counts_every_entry(tmp_path, capsys):
+    from mq.store import WAIT_PAGE
+    from mq.tools.bench import rendezvous as bench_rendezvous
+
+    n = WAIT_PAGE + 100  # two pages per node
+    out = tmp_path / "rdzv.jsonl"
+    bench_rendezvous.main(["--nodes", f"3,{n}", "--json", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["nodes"] for r in rows] == [3, n]
+    for r in rows:  # every node read every entry (a 200-byte entry, ~205 bytes framed)
+        assert r["nodes"] ** 2 * 200 < r["answer_bytes"] < r["nodes"] ** 2 * 220, r
+        assert r["rendezvous_s"] > 0 and r["store_cpu_s"] >= 0
+    assert f"{n} nodes: rendezvous" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("nodes, why", [("x", "whole numbers"), ("0", "at least 1"), ("99999999", "open files")])
+def test_bench_rendezvous_refuses_bad_sizes_before_it_starts(nodes, why, capsys):
+    from mq.tools.bench import rendezvous as bench_rendezvous
+
+    with pytest.raises(SystemExit) as exc:
+        bench_rendezvous.main(["--nodes", nodes])
+    assert exc.value.code == 2 and why in capsys.readouterr().err

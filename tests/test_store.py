@@ -185,6 +185,31 @@ def test_a_wait_answers_when_its_keys_are_set_or_says_which_are_missing(server):
         b.close()
 
 
+def test_a_rendezvous_of_thousands_gets_every_entry_and_names_every_missing_one():
+    # An nng node's entry is ~200 bytes: one answer with 6,000 of them (1.2 MB) was over the
+    # 1 MiB message cap, so a rendezvous of more than ~5,000 nodes could never finish.
+    n, entry = 6000, b"e" * 200
+    server = StoreServer(free_port(), world_size=n)
+    c = StoreClient("127.0.0.1", server.port, 5)
+    try:
+        keys = [f"mq/{i}" for i in range(n)]
+        left_out = {keys[10], keys[3000], keys[5999]}  # in the first, second and last page
+        for k in keys:
+            if k not in left_out:
+                c.set(k, entry + k.encode())
+        with pytest.raises(Missing) as info:
+            c.wait(keys, 0.5)
+        assert info.value.keys == [keys[10], keys[3000], keys[5999]]
+        for k in sorted(left_out):
+            c.set(k, entry + k.encode())
+        values = c.wait(keys, 5)
+        assert values == [entry + k.encode() for k in keys]
+        assert len(values) * len(entry) > store_mod.MAX_MESSAGE  # what one answer could not carry
+    finally:
+        c.close()
+        server.close()
+
+
 @pytest.mark.parametrize("junk", [
     b"\xff\xff\xff\xff",  # a length over the limit
     _frame(["set", 1, b"x"]),  # a key that is not a string
@@ -259,4 +284,50 @@ def test_random_bytes_never_stop_the_store(server, data):
     except OSError:
         pass
     s.close()
+    assert _serves(server.port)
+
+
+def test_a_key_set_again_is_what_later_waits_get(server):
+    # Answers are kept for the next wait on the same keys; a node that restarted and set its
+    # entry again must not be answered with the old one.
+    c = StoreClient("127.0.0.1", server.port, 5)
+    try:
+        c.set("a", b"old")
+        c.set("b", b"b")
+        assert c.wait(["a", "b"], 1.0) == [b"old", b"b"]
+        c.set("a", b"new")
+        assert c.wait(["a", "b"], 1.0) == [b"new", b"b"]
+    finally:
+        c.close()
+
+
+def test_waits_are_answered_whatever_order_their_keys_are_set_in(server):
+    keys = [f"k{i}" for i in range(40)]
+    clients = [StoreClient("127.0.0.1", server.port, 5) for _ in range(3)]
+    got: list = []
+    threads = [threading.Thread(target=lambda c=c, ks=ks: got.append(c.wait(ks, 20)))
+               for c, ks in zip(clients, [keys, keys[::-1], keys[5:25]])]
+    try:
+        for t in threads:
+            t.start()
+        setter = StoreClient("127.0.0.1", server.port, 5)
+        for k in keys[::2] + keys[1::2]:  # neither the order of the keys nor its reverse
+            setter.set(k, k.encode())
+        setter.close()
+        for t in threads:
+            t.join(20)
+        assert sorted(got) == sorted([[k.encode() for k in ks] for ks in (keys, keys[::-1], keys[5:25])])
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_waits_a_stranger_leaves_behind_are_let_go_and_piling_them_up_is_refused(server):
+    s = _raw(server.port)
+    s.sendall(b"".join(_frame(["wait", [f"never-{i}"], 3600]) for i in range(64)))
+    assert wait_until(lambda: server._open_waits == 64, timeout=5)
+    s.sendall(_frame(["wait", ["one-too-many"], 3600]))
+    assert _closed_by_peer(s)  # over the bound on open waits per connection
+    s.close()
+    assert wait_until(lambda: server._open_waits == 0, timeout=5)  # nobody to answer: let go
     assert _serves(server.port)
