@@ -18,6 +18,7 @@ from mq.wire import handshake
 from mq.auth import nonce, resolve_secret
 from mq.wire.codec import HELLO, HELLO_ACK, LINK, SUBS, Codec
 from mq.locality import local
+from mq.platforms.plan import free_port
 from mq.registry import backend_class
 from mq.testing import wait_until
 
@@ -298,3 +299,46 @@ def test_a_subscribe_racing_with_the_join_is_not_undone_by_the_joins_own_announc
     finally:
         newcomer.stop(timeout=1.0)
         member.stop(timeout=1.0)
+
+
+def test_a_greeting_whose_socket_close_took_meanwhile_is_dropped_quietly(monkeypatch):
+    """CI: the heartbeat thread greeted again while stop() closed the greeting sockets; NNG's
+    Closed escaped greet() and ended the heartbeat thread (no loss would be noticed again)."""
+    from mq.backends.nng import transport as nng_transport
+
+    real_send = nng_transport.send_msg
+
+    def closed_meanwhile(sock, frame):
+        sock.close()  # what close() on another thread does between taking the socket and sending
+        return real_send(sock, frame)
+
+    monkeypatch.setattr(nng_transport, "send_msg", closed_meanwhile)
+    q = mq.create("nng", 0, attach_to=[f"tcp://127.0.0.1:{free_port()}"], timeout=5)
+    try:
+        q.listen()  # greets the (absent) peer: the greeting is dropped, not raised
+    finally:
+        q.stop(timeout=1.0)
+
+
+def test_the_heartbeat_outlives_a_failing_chore(monkeypatch, caplog):
+    where = f"tcp://127.0.0.1:{free_port()}"
+    a = mq.create("nng", 0, listen_to=where, timeout=10, peer_timeout=1.0, heartbeat=0.2)
+    b = mq.create("nng", 1, attach_to=[where], timeout=10, peer_timeout=1.0, heartbeat=0.2)
+    try:
+        a.listen()
+        b.listen()
+        a.wait_for_peers(ids=[1], timeout=10)
+        calls = []
+
+        def broken_expire(now):
+            calls.append(now)
+            raise RuntimeError("a bug in a chore")
+
+        monkeypatch.setattr(a._join, "expire", broken_expire)
+        b.send(0, "t", b"x")  # traffic: the pair is probed, the heartbeat ticks every 0.2 s
+        assert a.recv(timeout=5).payload == b"x"
+        assert wait_until(lambda: len(calls) >= 3, 10)  # tick after tick
+        assert a._beat.is_alive() and "housekeeping failed" in caplog.text
+    finally:
+        a.stop(timeout=1.0)
+        b.stop(timeout=1.0)

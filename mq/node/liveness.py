@@ -111,14 +111,20 @@ class Liveness:
     # ------------------------------------------------------------------ frames
     def on_ping(self, env: Envelope) -> None:
         """A heartbeat: it carries the peer's receipt for our frames. One that wants an answer
-        (a flush, or a wait of the peer's that depends on us) gets one now, and the pair counts
+        (a flush, or a wait of the peer's that depends on us) gets one now, from the heartbeat
+        thread (this is the reader, which must not wait on a link), and the pair counts
         as busy: our heartbeat thread probes the peer too, so the peer hears from us on our
         own schedule, not only when our reader gets to its pings."""
         self.on_receipt(env.sender, env.payload)
         if isinstance(env.payload, dict) and env.payload.get("want") is True:
-            self.ping(env.sender, want=False, timeout=1.0)
             p = self._peers.get(env.sender)
             if p is not None:
+                # Answered from the heartbeat thread, at once: a reader that waited on a full
+                # link (up to a second) left every frame behind it unread, the peer's last
+                # ones too, and so judged the peer's silence that much late.
+                if not p.receipt_due:
+                    p.receipt_due = True
+                    self.receipt_due(p)
                 p.last_traffic = time.monotonic()
                 if not p.probed:  # it judges our silence from now: probe it now, not at our next tick
                     self._probe(p)
@@ -304,20 +310,25 @@ class Liveness:
                 for p in self._peers.list():
                     if p.lost:
                         continue
-                    if p.receipt_due:  # (its last try failed)
-                        self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))
                     if p.marks[0] != p.tx or p.marks[1] != p.rx:  # frames counted either way since the last look
                         p.marks, p.last_traffic = (p.tx, p.rx), now
                     elif (not p.probed and p.last_traffic <= idle_since and p.rx == p.rx_told
-                          and not stalled and p.node_id not in depended):
+                          and not stalled and p.node_id not in depended and not p.receipt_due):
                         continue  # idle, and known so: the common case in a large mesh (inlined)
                     self._quiet = False
                     self._look_at(p, now, stalled)
                     probing = probing or p.probed
+                    if p.receipt_due and not p.lost:  # (its last try failed; after the look, which
+                        # judges first: a ping may wait on a full link)
+                        self.ping(p.node_id, want=False, timeout=min(self.heartbeat, 0.5))
             self._frames = (self._stats.sent, self._stats.received)  # (our own pings included)
             # Nobody to probe: tick slowly. A wait that comes to depend on a peer wakes us
             # (_depending), and traffic is noticed at the next tick (its silence counts from then).
-            joining = housekeeping(now)
+            try:
+                joining = housekeeping(now)
+            except Exception:  # a bug there must not end the heartbeat: no loss would be noticed again
+                log.exception("node %d: the heartbeat's housekeeping failed (the heartbeat goes on)", self.node_id)
+                joining = True
             tick = busy_tick if probing else max(busy_tick, JOIN_TICK_S if joining else IDLE_TICK_S)
 
     def _probe_those_asked(self) -> bool:
@@ -358,13 +369,10 @@ class Liveness:
             p.probed = True
             p.last_sent = 0.0
         p.depended = depended
-        if now - p.last_sent >= self.heartbeat:
-            # Asked to answer (want), a peer does so at once, and probes us from then on: while
-            # we depend on it, and until we heard from it since probing resumed.
-            self.ping(p.node_id, want=depended or p.last_seen < p.judged_from, timeout=min(self.heartbeat, 0.5))
         # Its silence counts while it must be talking: it answers our pings while we depend on
         # it; otherwise it pings only until its own idle_after since the pair's traffic, which it
-        # may have noticed a little before we did: we stop judging that much early.
+        # may have noticed a little before we did: we stop judging that much early. Judged
+        # before the ping below, which may wait on a full link (a cut one: up to 0.5 s a tick).
         judging = depended or busy
         silent = now - max(p.last_seen, p.judged_from)
         if judging and silent <= self.peer_timeout:
@@ -372,6 +380,11 @@ class Liveness:
         elif judging and now > self._stalled_until and not self._busy:
             self._peers.lose(p.node_id, f"went silent for {silent:.1f}s (no heartbeat: its host "
                                         "crashed or the network between us is down)")
+            return
+        if now - p.last_sent >= self.heartbeat:
+            # Asked to answer (want), a peer does so at once, and probes us from then on: while
+            # we depend on it, and until we heard from it since probing resumed.
+            self.ping(p.node_id, want=depended or p.last_seen < p.judged_from, timeout=min(self.heartbeat, 0.5))
 
     def _send_due_receipts(self) -> None:
         while self._owed:

@@ -233,7 +233,10 @@ class NngTransport(Transport):
         if old is sock:
             return
         # The frame waits in the socket's buffer until the connection is up.
-        send_msg(sock, frame)
+        try:
+            send_msg(sock, frame)
+        except pynng.Closed:  # close() (or a newer greeting of the target) took the socket meanwhile
+            pass
 
     def greeting_connected(self, token: str) -> bool | None:
         with self._net_lock:
