@@ -305,14 +305,17 @@ def test_a_greeting_whose_socket_close_took_meanwhile_is_dropped_quietly(monkeyp
     """CI: the heartbeat thread greeted again while stop() closed the greeting sockets; NNG's
     Closed escaped greet() and ended the heartbeat thread (no loss would be noticed again)."""
     from mq.backends.nng import transport as nng_transport
+    from mq.backends.nng import wire as nng_wire
 
-    real_send = nng_transport.send_msg
+    real_send = nng_wire.send_msg
 
     def closed_meanwhile(sock, frame):
         sock.close()  # what close() on another thread does between taking the socket and sending
         return real_send(sock, frame)
 
-    monkeypatch.setattr(nng_transport, "send_msg", closed_meanwhile)
+    monkeypatch.setattr(nng_wire, "send_msg", closed_meanwhile)
+    # (and wherever the transport may call it by its own name)
+    monkeypatch.setattr(nng_transport, "send_msg", closed_meanwhile, raising=False)
     q = mq.create("nng", 0, attach_to=[f"tcp://127.0.0.1:{free_port()}"], timeout=5)
     try:
         q.listen()  # greets the (absent) peer: the greeting is dropped, not raised

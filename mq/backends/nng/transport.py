@@ -45,7 +45,7 @@ from mq.backends.nng.drops import NngDrops
 from mq.backends.nng import orphans  # noqa: F401  (pynng sockets GC-closed off NNG's threads)
 from mq.backends.nng.options import NngOptions, check_address
 from mq.backends.nng.outbox import Outbox
-from mq.backends.nng.wire import msg_view, send_msg
+from mq.backends.nng.wire import msg_view, send_unless_closed
 from mq.wire.codec import ALIGN, Frame, split, split_batch
 from mq.errors import ClosedError, ConfigError, PeerLost, ProtocolError
 from mq.locality import local
@@ -233,10 +233,7 @@ class NngTransport(Transport):
         if old is sock:
             return
         # The frame waits in the socket's buffer until the connection is up.
-        try:
-            send_msg(sock, frame)
-        except pynng.Closed:  # close() (or a newer greeting of the target) took the socket meanwhile
-            pass
+        send_unless_closed(sock, frame)  # close() (or a newer greeting) may have taken it meanwhile
 
     def greeting_connected(self, token: str) -> bool | None:
         with self._net_lock:

@@ -66,6 +66,14 @@ def send_msg(sock: pynng.Socket, frame: Frame) -> None:
         check_err(rv)
 
 
+def send_unless_closed(sock: pynng.Socket, frame: Frame) -> None:
+    """:func:`send_msg`, dropping the frame when another thread closed the socket meanwhile."""
+    try:
+        send_msg(sock, frame)
+    except pynng.Closed:
+        pass
+
+
 def msg_view(msg: Any) -> memoryview:
     """A writable view of a received NNG message; the message is freed with the last view."""
     size = lib.nng_msg_len(msg)
