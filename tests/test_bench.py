@@ -666,7 +666,7 @@ def test_bench_rendezvous_plays_a_job_larger_than_a_page_and_counts_every_entry(
     assert [r["nodes"] for r in rows] == [3, n]
     for r in rows:  # every node read every entry (a 200-byte entry, ~205 bytes framed)
         assert r["nodes"] ** 2 * 200 < r["answer_bytes"] < r["nodes"] ** 2 * 220, r
-        assert r["rendezvous_s"] > 0 and r["store_cpu_s"] >= 0
+        assert r["rendezvous_s"] >= 0 and r["store_cpu_s"] >= 0  # (3 nodes round to 0.0 s)
     assert f"{n} nodes: rendezvous" in run.stdout
 
 
