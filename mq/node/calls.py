@@ -114,7 +114,7 @@ class Calls:
         one exchange and the peer's transport moves the bytes (TensorPipe has its own
         same-host channels); descriptors would need a second message to give the slots back.
         Losing the peer meanwhile ends the exchange in the transport, which says how."""
-        p = self._sender.checked_peer(peer, frame, "call")
+        p = self._sender.checked_peer(peer, frame, "call", max(0.0, deadline - time.monotonic()))
         if self._sender.by_descriptor(peer, frame):
             return None  # GPU tensors to an nvlink peer go by CUDA IPC descriptor, as a REQ frame
         left = deadline - time.monotonic()

@@ -72,6 +72,7 @@ class Dispatch:
         self._peers = peers
         self._peer_of = peers.by_id
         self._links = peers.links
+        self._joining = peers.joining  # (empty but for a join's last moments: see PeerTable.bind)
         self.trusts = peers.links.__contains__
         self._join = join
         self._deliver = delivery.deliver
@@ -112,11 +113,16 @@ class Dispatch:
             # (admission: the frame's sender is its link's peer; checked inline, refused by _admit)
             elif (peer := self._links.get(link)) != env.sender and (peer := self._admit(env, link)) is None:
                 pass  # refused and counted
-            elif (p := self._peer_of[peer]).lost:
+            elif (p := self._peer_of[peer] if not self._joining else self._peers.receiving(peer)).lost:
                 # It left (or went silent): answers to our own farewell still count; the rest
                 # of what was in flight is dropped quietly, as the sender was told (PeerLost).
                 if env.kind in (REP_OK, REP_ERR):
                     self._calls.on_reply(env)
+                elif env.kind in (PING, BYE):
+                    # Its receipt still counts: a link's loss may be told before the frames
+                    # read before it (inproc, NNG's pipe events), and a BYE's receipt is what
+                    # tells our stop() that what we sent it arrived.
+                    self._liveness.on_receipt(env.sender, env.payload)
                 elif env.kind in COUNTED:  # counted: its sender learnt it (PeerLost, Undelivered)
                     self._refusals.discarded("peer_left", f"a {KIND_NAMES[env.kind]} frame from node "
                                              f"{env.sender}, which {p.lost}")
@@ -256,7 +262,8 @@ class Dispatch:
         tags = self._sender.tags
         def resolve(sender: int, desc: Any) -> Any:
             # Descriptors only from the authenticated peer of this link, into its own pools.
-            p = self._peer_of.get(self._links.get(link, -1))
+            peer = self._links.get(link, -1)
+            p = self._peer_of.get(peer) if not self._joining else self._peers.receiving(peer)
             if p is not None and p.lost:  # its pools went with it: say so, not "malformed"
                 raise PeerLeft(f"a frame from node {sender}, which {p.lost}, whose buffers were in its pool")
             # The descriptor's tag names its data path (untagged or unknown: shm, which refuses

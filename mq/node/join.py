@@ -306,16 +306,20 @@ class Join:
             raise _handshake.Refused("duplicate_id", taken)
         peer = old if same else self._new_peer(info)
         assert peer is not None and peer.route is not None  # same: old is that live peer; _new_peer chose a route
-        self._peers.bind(link, peer_id)
-        if not same:
-            self._transport.connect(peer_id, info, peer.route)
-        link_msg: dict[str, Any] = {"node_id": self.node_id, "incarnation": self._hello["incarnation"],
-                                    "read_ok": self._sender.shm.tag in peer.readers}
-        if self._secret is not None:
-            link_msg["proof"] = self._secret.proof("link", mine, info["nonce"], self.node_id, peer_id,
-                                                   self._hello["incarnation"])
-        # LINK first: the peer takes no other frame of ours before it (links are FIFO).
-        self._sender.send_control(peer_id, LINK, link_msg, self._timeout)
+        self._peers.bind(link, peer_id, peer)
+        try:
+            if not same:
+                self._transport.connect(peer_id, info, peer.route)
+            link_msg: dict[str, Any] = {"node_id": self.node_id, "incarnation": self._hello["incarnation"],
+                                        "read_ok": self._sender.shm.tag in peer.readers}
+            if self._secret is not None:
+                link_msg["proof"] = self._secret.proof("link", mine, info["nonce"], self.node_id, peer_id,
+                                                       self._hello["incarnation"])
+            # LINK first: the peer takes no other frame of ours before it (links are FIFO).
+            self._sender.send_control(peer_id, LINK, link_msg, self._timeout)
+        except BaseException:
+            self._peers.abandon(peer)
+            raise
         if not same:
             self._joined(peer)
         self._on_link_verdict(peer_id, info["read_ok"])
@@ -347,11 +351,16 @@ class Join:
         taken = self._taken(peer_id, peer.info)
         if taken:
             raise _handshake.Refused("duplicate_id", taken)
-        self._peers.bind(link, peer_id)
-        assert peer.route is not None  # _new_peer chose it
-        self._transport.connect(peer_id, peer.info, peer.route)
         old = self._peers.get(peer_id)
-        if old is None or old.lost or old.info.get("incarnation") != peer.info.get("incarnation"):
+        first = old is None or old.lost or old.info.get("incarnation") != peer.info.get("incarnation")
+        self._peers.bind(link, peer_id, peer if first else None)
+        assert peer.route is not None  # _new_peer chose it
+        try:
+            self._transport.connect(peer_id, peer.info, peer.route)
+        except BaseException:
+            self._peers.abandon(peer)
+            raise
+        if first:
             self._joined(peer)
         else:  # it joined already (a greeting answered twice): keep the first, close this one's memory
             _close_readers(peer)

@@ -37,6 +37,10 @@ log = logging.getLogger("mq")
 #: A peer lost while stop() waits for its answer to our goodbye: its answer, sent just before its
 #: link closed, may still be on its way on the other link of the pair; it gets this long.
 ANSWER_GRACE_S = 0.25
+
+#: why a peer that said BYE is lost
+LEFT = "stopped (it called stop())"
+
 #: A pair quiet (no data, no calls, either way) for this many peer timeouts is not probed
 #: until traffic or a wait on it resumes: an idle mesh costs nothing however large.
 IDLE_AFTER_TIMEOUTS = 3.0
@@ -87,6 +91,8 @@ class Liveness:
         self._wanted = Flag(self._waits)  # wakes the heartbeat thread: receipts due, or new dependents
         self._probe_now: collections.deque[int] = collections.deque()
         self._owed: collections.deque[Peer] = collections.deque()  # peers a receipt is due to
+        # Peers that said BYE and wait for our answer: (peer, the BYE's corr, frames we took from it)
+        self._farewells: collections.deque[tuple[Peer, int, int]] = collections.deque()
         self._waits.depending = self._depending
 
     def stalled(self) -> None:
@@ -117,7 +123,7 @@ class Liveness:
         own schedule, not only when our reader gets to its pings."""
         self.on_receipt(env.sender, env.payload)
         if isinstance(env.payload, dict) and env.payload.get("want") is True:
-            p = self._peers.get(env.sender)
+            p = self._peers.receiving(env.sender)
             if p is not None:
                 # Answered from the heartbeat thread, at once: a reader that waited on a full
                 # link (up to a second) left every frame behind it unread, the peer's last
@@ -170,14 +176,26 @@ class Liveness:
             self._calls.promised(env.sender, env.payload.get("serving"))
             asks = env.payload.get("answer", True) is not False
         p = self._peers.get(env.sender)
-        if p is not None:
-            p.said_goodbye = True
-        if asks:
+        if p is None:
+            return
+        p.said_goodbye = True
+        if asks:  # answered from the heartbeat thread (this is the reader, which must not wait on
+            # a link: a leaving peer with a full queue reads slowly), then lost
+            self._farewells.append((p, env.corr, p.rx))
+            self._wanted.set()
+        else:
+            self._peers.lose(env.sender, LEFT)
+
+    def _answer_farewells(self) -> None:
+        """Answer the peers that said BYE (our receipt: links are FIFO, so it confirms every
+        frame they sent before), then lose them: losing closes the link the answer takes."""
+        while self._farewells:
+            p, corr, rx = self._farewells.popleft()
             try:
-                self._sender.send_control(env.sender, REP_OK, {"rx": p.rx if p is not None else 0}, 2.0, env.corr)
+                self._sender.send_control(p.node_id, REP_OK, {"rx": rx}, 2.0, corr)
             except Exception as exc:
-                log.debug("node %d: could not answer the farewell of node %d: %s", self.node_id, env.sender, exc)
-        self._peers.lose(env.sender, "stopped (it called stop())")
+                log.debug("node %d: could not answer the farewell of node %d: %s", self.node_id, p.node_id, exc)
+            self._peers.lose(p.node_id, LEFT)
 
     def ping(self, peer_id: int, *, want: bool, timeout: float) -> None:
         """Send ``peer_id`` our receipt; ``want``: ask for its receipt back."""
@@ -288,6 +306,7 @@ class Liveness:
             overslept = time.monotonic() - max(due, began)
             if woken:
                 self._wanted.clear()
+                self._answer_farewells()
                 self._send_due_receipts()
                 if self._probe_those_asked():
                     tick = busy_tick  # a peer probed now is probed every heartbeat from now on

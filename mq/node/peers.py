@@ -97,6 +97,10 @@ class PeerTable:
         self.get = self.by_id.get
         waits.lookup = self.get  # a wait's peers are looked up here
         self.links: dict[Any, int] = {}  # authenticated link -> its peer's node id
+        # Peers whose link is bound but whose join is not recorded yet: our LINK is out, so the
+        # peer may send at once, and its first frames can beat joined() (a reader or recv()
+        # thread takes them meanwhile). They count on the joining peer; sends to it wait.
+        self.joining: dict[int, Peer] = {}
         self.changed = threading.RLock()
         self.refusal: ConfigError | None = None  # a member refused our join, and said why
         self._lost_hooks: list[Callable[[Peer, str], None]] = []
@@ -127,10 +131,24 @@ class PeerTable:
         return domain(p.info.get("locality") if p is not None else None)
 
     # ------------------------------------------------------------------ transitions
-    def bind(self, link: Any, peer_id: int) -> None:
-        """``link`` proved it is ``peer_id``'s: its frames count from now on."""
+    def receiving(self, peer_id: int) -> Peer | None:
+        """The peer whose frames arrive as ``peer_id``'s: one joining now, else the member."""
+        return self.joining.get(peer_id) or self.by_id.get(peer_id)
+
+    def bind(self, link: Any, peer_id: int, joining: Peer | None = None) -> None:
+        """``link`` proved it is ``peer_id``'s: its frames count from now on, on ``joining``
+        until :meth:`joined` records it (or :meth:`abandon` drops it)."""
         with self.changed:
             self.links[link] = peer_id
+            if joining is not None and self.by_id.get(peer_id) is not joining:
+                self.joining[peer_id] = joining
+
+    def abandon(self, peer: Peer) -> None:
+        """``peer``'s join failed after its link was bound: sends waiting for it go on."""
+        with self.changed:
+            if self.joining.get(peer.node_id) is peer:
+                del self.joining[peer.node_id]
+        self.waits.wake(self)
 
     def joined(self, peer: Peer) -> Peer | None:
         """``peer`` is a member now; returns the earlier process of its id it replaces, if any."""
@@ -141,6 +159,8 @@ class PeerTable:
             if replaced:
                 log.warning("node %d: node %d rejoined as a new process", self.node_id, peer.node_id)
             self.by_id[peer.node_id] = peer
+            if self.joining.get(peer.node_id) is peer:
+                del self.joining[peer.node_id]
         self.waits.wake(self)
         log.debug("node %d: peer %d joined via %s", self.node_id, peer.node_id, peer.route)
         return old if replaced else None
@@ -176,7 +196,7 @@ class PeerTable:
 
     def set_subscriptions(self, peer_id: int, topics: Any) -> None:
         with self.changed:
-            peer = self.by_id.get(peer_id)
+            peer = self.receiving(peer_id)
             if peer is not None:
                 peer.subscriptions = frozenset(t for t in topics if isinstance(t, str))
         self.waits.wake(self)

@@ -255,11 +255,16 @@ class Sender:
         path = self._gpu_path_of(peer) if frame.gpu else None
         return path is not None and not path.unavailable and bool(path.takes(frame.buffers, frame.sizes))
 
-    def checked_peer(self, peer: int, frame: Frame, what: str = "send") -> Peer:
-        """The live peer ``peer`` if ``frame`` may go to it now; raises why not."""
+    def checked_peer(self, peer: int, frame: Frame, what: str = "send", timeout: float = 0.0) -> Peer:
+        """The live peer ``peer`` if ``frame`` may go to it now (one joining this moment: within
+        ``timeout``); raises why not."""
         if self._life.state != "listening" and not (self._life.state == "stopping" and frame.kind in ANSWERS):
             raise ClosedError(self._life.not_listening(what))
         p = self._peer_get(peer)
+        if p is None and peer in self._peers.joining:  # its LINK is out: it is a member in a moment
+            self._peers.wait(lambda: peer in self._peers.by_id or peer not in self._peers.joining, timeout,
+                             lambda: f"node {peer} finished joining within {timeout:g}s")
+            p = self._peer_get(peer)
         if p is None:
             raise PeerLost(f"node {peer} is not a known peer of node {self.node_id}; known: {self._peers.ids()}")
         if p.lost:
@@ -276,7 +281,7 @@ class Sender:
         p = self._peer_get(peer)
         if (p is None or p.lost or p.route_error or self._life.state != "listening"
                 or (p.max_frame_bytes is not None and frame.nbytes > p.max_frame_bytes)):
-            p = self.checked_peer(peer, frame)  # raises why (inline above: the hot path)
+            p = self.checked_peer(peer, frame, timeout=timeout)  # raises why (inline above: the hot path)
         counted = frame.kind in COUNTED
         if counted:
             if p.tx - p.acked >= p.window:
