@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from mq.locality import Locality
     from mq.platforms import PlatformPlan
 
-__all__ = ["Backend", "Flag", "LaunchProfile", "LocalJob", "import_ref"]
+__all__ = ["Backend", "ConformanceCase", "Flag", "LaunchProfile", "LocalJob", "import_ref"]
 
 
 def import_ref(ref: str) -> Any:
@@ -113,6 +113,25 @@ class Flag:
 
 
 @dataclass(frozen=True)
+class ConformanceCase:
+    """One way the conformance suite (:mod:`mq.conformance`, ``tests/test_conformance.py``)
+    runs a backend: its nodes made with ``options`` of ``mq_type``, each peer on ``route``.
+
+    Attributes:
+        id: the case's name in test ids (``nng-tcp``).
+        mq_type: one of the backend's mq types.
+        route: the route kind every peer must get (the data path's, ``shm``, where one takes
+            the large buffers).
+        options: the transport options the case fixes (``{"protocol": "tcp"}``).
+    """
+
+    id: str
+    mq_type: str
+    route: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Backend:
     """A backend as mq sees it.
 
@@ -140,6 +159,10 @@ class Backend:
         doctor: ``"module:function"``; ``function(me, peers) -> dict`` is its own section of
             ``mq doctor`` (JSON-safe), given this node and a sample peer per place (``local``,
             ``remote``); its ``rows`` (``[[component, status], ...]``) go into the table.
+        conformance: the ways the conformance suite runs it (each route it must give its
+            peers); a launchable backend's nodes are processes ``mq.launch`` starts.
+        nodes: for a backend that cannot be launched, ``"module:function"`` making its nodes
+            of one process for the conformance suite (:data:`mq.testing.MakeNodes`).
     """
 
     name: str
@@ -155,12 +178,20 @@ class Backend:
     flags: tuple[Flag, ...] = ()
     trust: str | None = None
     doctor: str | None = None
+    conformance: tuple[ConformanceCase, ...] = ()
+    nodes: str | None = None
 
     def __post_init__(self) -> None:
         bad = [t for t in self.mq_types if t != self.name and not t.startswith(self.name + ":")]
         if bad or not self.mq_types:
             raise ValueError(f"backend {self.name!r}: mq types must be {self.name!r} or "
                              f"{self.name}:<variant>, got {sorted(self.mq_types)}")
+        foreign = [c.mq_type for c in self.conformance if c.mq_type not in self.mq_types]
+        if foreign:
+            raise ValueError(f"backend {self.name!r}: conformance cases name mq types it lacks: {foreign}")
+        if self.conformance and self.launch is None and self.nodes is None:
+            raise ValueError(f"backend {self.name!r} cannot be launched: its conformance cases need "
+                             "nodes='module:function' making its nodes in one process")
 
     def transport_class(self) -> type:
         return import_ref(self.transport)

@@ -20,6 +20,7 @@ that runs in another process travels by reference (``module:function``): a modul
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -33,11 +34,12 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, NamedTuple, Protocol
 
 import numpy as np
 
 import mq
+from mq.backend import import_ref
 from mq.launch import main_ref, make_plan, resolve_main, run_plan
 
 BARRIER = "_barrier"
@@ -89,6 +91,33 @@ class InProcess:
         if any(t.is_alive() for t in threads):
             raise mq.Timeout(f"{program.__name__} did not finish within {deadline_s:g}s")
         return results
+
+
+class Case(NamedTuple):
+    """One conformance case of a registered backend, ready to run."""
+
+    id: str
+    group: Group
+    route: str  # the route kind every peer must get
+    transport: str  # "module:Class" of the backend's transport (a test skips where it is not built)
+
+
+def conformance_cases() -> list[Case]:
+    """Every conformance case the registered backends declare (:class:`mq.backend.ConformanceCase`),
+    built-in and plug-ins alike: what ``tests/test_conformance.py`` runs. A launchable backend's
+    nodes are processes :func:`mq.launch` starts; another's come from its ``nodes`` factory."""
+    from mq.registry import backends
+
+    cases = []
+    for backend in backends().values():
+        for case in backend.conformance:
+            if backend.launch is not None:
+                group: Group = Launched(case.mq_type, dict(case.options))
+            else:
+                assert backend.nodes is not None  # (Backend checks it)
+                group = InProcess(functools.partial(import_ref(backend.nodes), **case.options))
+            cases.append(Case(case.id, group, case.route, backend.transport))
+    return cases
 
 
 def inproc_nodes(n: int, labels: list[Any], **mq_options: Any) -> list[mq.MQ]:

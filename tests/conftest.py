@@ -23,6 +23,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--background-load", type=int, default=0, metavar="N",
                      help="run the tests with N CPU-bound processes busy the whole session (mq.tools.load): "
                           "what must hold on a saturated machine holds there")
+    parser.addoption("--long", action="store_true", default=os.environ.get("MQ_LONG") == "1",
+                     help="also run the tests marked long (the stress counts and the longest "
+                          "scenarios); MQ_LONG=1 does the same")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,10 +45,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     except ImportError:
         has_gpu = False
     skip = pytest.mark.skip(reason="no CUDA GPU visible")
+    short = pytest.mark.skip(reason="long: run with `bash scripts/test --long` (or MQ_LONG=1)")
+    long_too = config.getoption("--long")
     for item in items:
         # The marker, not the keyword: a parameter id such as "cuda" is a keyword too.
         if item.get_closest_marker("cuda") is not None and not has_gpu:
             item.add_marker(skip)
+        if item.get_closest_marker("long") is not None and not long_too:
+            item.add_marker(short)
 
 
 _REAL_STDERR: list[int] = []  # a copy of fd 2 from before pytest captures it

@@ -1,9 +1,10 @@
 """The conformance suite (mq/conformance.py) on every built-in backend, and on a transport mq has
 never heard of.
 
-Parametrized over nng on tcp, on unix sockets (ipc) and on its default (shm), torch RPC (CPU),
-each node a process started by the launcher, and inproc, each node a thread of this process.
-Each test is a thin wrapper of one check; a new backend adds one parameter.
+Parametrized over the cases every registered backend declares (``Backend.conformance``): nng on
+tcp, on unix sockets (ipc) and on its default (shm), torch RPC (CPU), each node a process
+started by the launcher, and inproc, each node a thread of this process. Each test is a thin
+wrapper of one check; a new backend declares its cases and is in the suite.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
@@ -23,24 +24,24 @@ from mq.transport import Transport
 pytestmark = pytest.mark.timeout(120)
 
 
-class Backend(NamedTuple):
-    group: testing.Group
-    route: str  # the route kind every peer gets
+def _built(transport: str) -> bool:
+    return importlib.util.find_spec(transport.partition(":")[0]) is not None
 
 
-BACKENDS = [
-    pytest.param(Backend(testing.Launched("nng", {"protocol": "tcp"}), "tcp"), id="nng-tcp"),
-    pytest.param(Backend(testing.Launched("nng", {"protocol": "ipc"}), "ipc"), id="nng-ipc"),
-    pytest.param(Backend(testing.Launched("nng"), "shm"), id="nng-shm"),
-    pytest.param(Backend(testing.InProcess(testing.inproc_nodes), "inproc"), id="inproc"),
-    pytest.param(Backend(testing.Launched("torchrpc:cpu"), "shm"), id="torchrpc-cpu",
-                 marks=pytest.mark.skipif(importlib.util.find_spec("mq.backends.torchrpc.transport") is None,
-                                          reason="torch RPC backend not built")),
-]
+# From the registry: each backend (built-in or plug-in) declares its cases (mq.backend.ConformanceCase).
+BACKENDS = [pytest.param(case, id=case.id, marks=pytest.mark.skipif(not _built(case.transport),
+                                                                   reason=f"{case.transport} not built"))
+            for case in testing.conformance_cases()]
+
+
+def test_every_backend_and_route_is_in_the_suite():
+    """The cases come from the registry: the built-in backends' routes are all there."""
+    assert {(c.id, c.route) for c in testing.conformance_cases()} >= {
+        ("nng-tcp", "tcp"), ("nng-ipc", "ipc"), ("nng-shm", "shm"), ("inproc", "inproc"), ("torchrpc-cpu", "shm")}
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request) -> Backend:
+def backend(request) -> testing.Case:
     return request.param
 
 

@@ -245,7 +245,8 @@ class Liveness:
         live = self._peers.live()
         answered: set[int] = set()
         with contextlib.ExitStack() as calls:
-            waiting = {}
+            waiting: dict[int, Any] = {}  # peer -> the future of its answer (None: our goodbye failed)
+            failed_at: dict[int, float] = {}
             for peer in live:
                 p = self._peers.by_id[peer]
                 owes = p.tx > p.acked  # frames it has not confirmed: its answer will
@@ -260,20 +261,26 @@ class Liveness:
                         waiting[peer] = fut
                 except Exception as exc:  # a dead (or full) peer must not delay our stop
                     log.debug("node %d: no farewell to node %d: %s", self.node_id, peer, exc)
+                    if owes:  # (a peer that closed as it left: its own goodbye, with its receipt,
+                        waiting[peer] = None  # may still be on the way to us: a moment, see settled)
+                        failed_at[peer] = time.monotonic()
 
-            def settled() -> bool:  # every answer in, or its peer lost meanwhile (a moment ago: an
-                # answer sent just before its link closed may still be on the other link of the pair)
+            def settled() -> bool:  # every answer in, every receipt, or its peer lost meanwhile (a
+                # moment ago: an answer or goodbye sent just before its link closed may still be on the way)
                 now = time.monotonic()
-                return all(fut.done() or ((p := self._peers.by_id[peer]).lost and now - p.lost_at > ANSWER_GRACE_S)
-                           for peer, fut in waiting.items())
+                return all((fut is not None and fut.done()) or (p := self._peers.by_id[peer]).acked >= p.tx
+                           or (p.lost and now - p.lost_at > ANSWER_GRACE_S)
+                           or (fut is None and now - failed_at[peer] > ANSWER_GRACE_S) for peer, fut in waiting.items())
 
             try:
                 with self._waits.depend(waiting):  # a peer that froze meanwhile is judged silent
-                    self._waits.until(settled, deadline, on=tuple(waiting.values()), states=LIVE_OR_STOPPING)
+                    self._waits.until(settled, deadline, states=LIVE_OR_STOPPING,
+                                      on=tuple(f if f is not None else self._peers.by_id[peer]
+                                               for peer, f in waiting.items()))
             except MQError:
                 pass  # out of time: the peers that did not answer are reported below
             for peer, fut in waiting.items():
-                if fut.done() and fut.exception() is None:
+                if fut is not None and fut.done() and fut.exception() is None:
                     self.on_receipt(peer, waits.result(fut, 0))
                     answered.add(peer)
         unconfirmed = {}

@@ -6,7 +6,7 @@
   travels as the codec's contiguous layout, bytes, through a bounded in-process inbox).
 """
 
-from mq.backend import Backend
+from mq.backend import Backend, ConformanceCase
 
 BACKEND = Backend(
     name="inproc",
@@ -16,4 +16,6 @@ BACKEND = Backend(
     routes=frozenset({"inproc"}),
     summary="nodes of one process (the reference transport for tests and docs); not launchable",
     data_paths=frozenset(),
+    conformance=(ConformanceCase("inproc", "inproc", "inproc"),),
+    nodes="mq.testing:inproc_nodes",
 )

@@ -15,7 +15,7 @@ Everything mq needs to know about it is :data:`BACKEND`.
 
 from functools import partial
 
-from mq.backend import Backend, Flag
+from mq.backend import Backend, ConformanceCase, Flag
 from mq.backends.nng.launch import NngLaunch
 from mq.options import check_bool, check_choice
 
@@ -37,4 +37,7 @@ BACKEND = Backend(
                 check=partial(check_choice, name="protocol", choices=PROTOCOLS)),
            Flag("busy_poll", check=partial(check_bool, name="busy_poll"))),
     doctor="mq.backends.nng.doctor:section",
+    conformance=(ConformanceCase("nng-tcp", "nng", "tcp", {"protocol": "tcp"}),
+                 ConformanceCase("nng-ipc", "nng", "ipc", {"protocol": "ipc"}),
+                 ConformanceCase("nng-shm", "nng", "shm")),
 )

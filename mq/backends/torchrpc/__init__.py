@@ -20,7 +20,7 @@ needs to know about it is :data:`BACKEND`.
 from functools import partial
 
 from mq.backends.torchrpc import device_map
-from mq.backend import Backend, Flag
+from mq.backend import Backend, ConformanceCase, Flag
 from mq.backends.torchrpc.launch import TorchRpcLaunch
 from mq.options import check_bool
 from mq.routing import ALL_ROUTES
@@ -41,4 +41,5 @@ BACKEND = Backend(
            Flag("busy_poll", check=partial(check_bool, name="busy_poll"))),
     trust="mq.backends.torchrpc.doctor:TRUST",
     doctor="mq.backends.torchrpc.doctor:section",
+    conformance=(ConformanceCase("torchrpc-cpu", "torchrpc:cpu", "shm"),),
 )

@@ -5,7 +5,7 @@ with one option of its own (``motto``), which ``mq run`` offers as ``--motto``."
 
 from functools import partial
 
-from mq.backend import Backend, Flag
+from mq.backend import Backend, ConformanceCase, Flag
 from mq.backends.nng.launch import NngLaunch
 from mq.options import check_choice
 
@@ -23,4 +23,5 @@ BACKEND = Backend(
     flags=(Flag("motto", metavar="|".join(MOTTOS), check=partial(check_choice, name="motto", choices=MOTTOS)),),
     trust="mqtoy.transport:TRUST",
     doctor="mqtoy.transport:doctor_section",
+    conformance=(ConformanceCase("toy-tcp", "toy", "tcp", {"motto": "loud"}),),
 )
