@@ -113,7 +113,7 @@ class Dispatch:
             # (admission: the frame's sender is its link's peer; checked inline, refused by _admit)
             elif (peer := self._links.get(link)) != env.sender and (peer := self._admit(env, link)) is None:
                 pass  # refused and counted
-            elif (p := self._peer_of[peer] if not self._joining else self._joining.get(peer) or self._peer_of[peer]).lost:
+            elif (p := (self._joining.get(peer) if self._joining else None) or self._peer_of[peer]).lost:
                 # It left (or went silent): answers to our own farewell still count; the rest
                 # of what was in flight is dropped quietly, as the sender was told (PeerLost).
                 if env.kind in (REP_OK, REP_ERR):
