@@ -211,3 +211,27 @@ def test_an_outcome_past_the_bound_is_slow_and_fails():
     assert rc == 1, out
     (run,) = report["runs"]
     assert run["outcome"] == "slow" and run["raised"].startswith("PeerLost"), run
+
+
+def test_the_harness_reads_other_threads_stacks_with_the_collector_held_off(monkeypatch):
+    """A 200-run count hung in the harness at run 49: on CPython 3.11 a garbage collection that
+    starts inside sys._current_frames() can deadlock the process (cpython gh-106883). The
+    harness takes stacks with the collector off, and leaves it as it found it."""
+    import gc
+    import threading
+
+    from mq.tools import stress_run
+
+    seen = []
+    real = sys._current_frames
+    monkeypatch.setattr(sys, "_current_frames", lambda: seen.append(gc.isenabled()) or real())
+    assert gc.isenabled()
+    assert threading.get_ident() in stress_run.current_frames()
+    assert stress_run._blocked_in(threading.get_ident()) == "-"  # (no mq frame of ours here)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        stress_run.current_frames()
+        assert not gc.isenabled()  # a collector switched off stays off
+    finally:
+        gc.enable()
