@@ -362,7 +362,7 @@ class Liveness:
         next tick); True if any."""
         now, stalled, probed = time.monotonic(), self._busy > 0, False
         while self._probe_now:
-            p = self._peers.get(self._probe_now.popleft())
+            p = self._peers.receiving(self._probe_now.popleft())  # (one joining: its traffic may come first)
             if p is not None:
                 p.asked = False
                 if p.marks[0] != p.tx or p.marks[1] != p.rx:  # (as at a tick)
