@@ -46,6 +46,7 @@ __all__ = [
     "ALL_ROUTES",
     "ROUTE_KINDS",
     "Route",
+    "Verdict",
     "explain",
     "across_containers",
     "known_same",
@@ -80,6 +81,24 @@ class Route:
     reason: str
     peer: int | None = None
     gpudirect: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether this node and a peer can use a data path (as the rdma path's ``viable`` says):
+    decisions read ``ok`` and ``needs_device``; ``why`` is for people (``routes()``, ``mq doctor``).
+
+    Attributes:
+        ok: both ends can use it.
+        why: why (not), in words.
+        needs_device: it runs only where the route's device is (an ACTIVE RDMA port for rdma);
+            False where it runs without one (rdma over UCX's tcp transport), so the route is
+            taken where the device check alone would refuse it.
+    """
+
+    ok: bool
+    why: str = ""
+    needs_device: bool = True
 
 
 def known_same(a: object, b: object) -> bool:

@@ -24,9 +24,12 @@ from typing import Any, Callable, Collection, Mapping
 from mq.errors import ConfigError
 from mq.locality import Locality
 from mq.node.peers import Peer
-from mq.routing import Route, select_route
+from mq.routing import Route, Verdict, select_route
 
 log = logging.getLogger("mq")
+
+#: no data path offered beside the transport's routes
+NOT_OFFERED = Verdict(False)
 
 __all__ = ["check_required_here", "choose", "enforce", "degrade_cpu", "note", "refused_our_pool", "stage_gpu"]
 
@@ -34,7 +37,7 @@ __all__ = ["check_required_here", "choose", "enforce", "degrade_cpu", "note", "r
 def choose(here: Locality, remote: Locality, carried: Collection[str], *, peer_id: int,
            same_process: bool, gpu: bool, opened_pool: bool, why_not_shm: str | None,
            no_pool: str | None, on_refused: Callable[[str], None],
-           rdma: tuple[bool, str] = (False, "")) -> Route:
+           rdma: Verdict = NOT_OFFERED) -> Route:
     """The route to a peer that joins.
 
     Args:
@@ -46,15 +49,15 @@ def choose(here: Locality, remote: Locality, carried: Collection[str], *, peer_i
         on_refused: told when no route the transport carries is viable (``protocol=ipc``
             towards another host); ``tcp`` is taken then.
         rdma: whether both ends' rdma data paths can talk (:meth:`mq.datapaths.rdma.path.RdmaPath.viable`),
-            and why (not). Over UCX's tcp transport (``rdma='tcp'``) it needs no RDMA port.
+            and why (not). One that needs no device (``rdma='tcp'``: over UCX's tcp transport)
+            takes the peers the device check alone would send by tcp.
     """
     supported = set(carried)
     if not gpu:
         supported.discard("nvlink")
     if opened_pool:
         supported.add("shm")
-    rdma_ok, rdma_why = rdma
-    if rdma_ok:
+    if rdma.ok:
         supported.add("rdma")
     try:
         route = select_route(here, remote, supported=supported, peer=peer_id, same_process=same_process)
@@ -63,14 +66,14 @@ def choose(here: Locality, remote: Locality, carried: Collection[str], *, peer_i
         route = select_route(here, remote, supported={"tcp"}, peer=peer_id)
     if route.gpudirect and "nvlink" not in supported:  # this transport stages GPU tensors
         route = replace(route, gpudirect=False)
-    if rdma_ok and route.kind == "tcp" and "over UCX's tcp transport" in rdma_why:
-        # no RDMA port was needed: the path runs over UCX's tcp transport, as it says
+    if rdma.ok and route.kind == "tcp" and not rdma.needs_device:
+        # no RDMA port needed (the path runs without one): the device check's "not rdma" goes
         reason = re.sub(r"; not rdma: [^;.]*", "", route.reason)
-        reason = reason.replace("tcp: always available", f"rdma: {rdma_why}", 1)
+        reason = reason.replace("tcp: always available", f"rdma: {rdma.why}", 1)
         route = replace(route, kind="rdma", gpu="rdma" if route.gpu == "tcp" else route.gpu,
                         reason=reason.replace("GPU payloads: tcp", "GPU payloads: rdma", 1))
-    elif not rdma_ok and rdma_why and route.kind in ("rdma", "tcp"):
-        route = replace(route, reason=f"{route.reason}; mq's rdma path: {rdma_why}")
+    elif not rdma.ok and rdma.why and route.kind in ("rdma", "tcp"):
+        route = replace(route, reason=f"{route.reason}; mq's rdma path: {rdma.why}")
     if why_not_shm and route.kind != "inproc":
         route = replace(route, reason=f"{route.reason}; not shm: {why_not_shm}")
     elif no_pool and route.kind == "ipc":

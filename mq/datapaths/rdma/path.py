@@ -48,8 +48,9 @@ from mq.node import peer_route
 from mq.datapaths.rdma import engine as _rdma
 from mq.node import waits as _waits
 from mq.wire.codec import PATH
-from mq.datapaths.base import (DataPath, SegmentPool, Slot, SlotTable, address_of, as_uint8, on_cpu, size_class,
-                         view_until_garbage)
+from mq.datapaths.base import (DataPath, SegmentPool, Slot, SlotTable, address_of, as_uint8, on_cpu,
+                               size_class, view_until_garbage)
+from mq.routing import Verdict
 from mq.errors import ConfigError, MQError, PeerLeft, PeerLost, ProtocolError, Timeout
 from mq.options import check_int
 from mq.node.waits import Waits
@@ -323,20 +324,20 @@ class RdmaPath(DataPath):
         return {"engine": f"nixl {self.engine.version}", "mode": self.mode, "device": self.engine.device,
                 "transport": self.engine.transport, "agent": self.engine.name}
 
-    def viable(self, theirs: Any) -> tuple[bool, str]:
+    def viable(self, theirs: Any) -> Verdict:
         """Whether this node and a peer whose HELLO said ``theirs`` can use the path, and why."""
         mine = self.caps()
         if mine is None:
-            return False, f"this node: {self.unavailable}"
+            return Verdict(False, f"this node: {self.unavailable}")
         if type(theirs) is not dict or type(theirs.get("mode")) is not str:
-            return False, "the peer has no rdma path (rdma off, or NIXL missing there)"
+            return Verdict(False, "the peer has no rdma path (rdma off, or NIXL missing there)")
         if theirs["mode"] != mine["mode"]:
-            return False, f"rdma='{mine['mode']}' here but '{theirs['mode']}' on the peer"
+            return Verdict(False, f"rdma='{mine['mode']}' here but '{theirs['mode']}' on the peer")
         if mine["mode"] == "tcp":
-            return True, (f"{mine['engine']} over UCX's tcp transport on both sides (rdma='tcp': "
-                          "no RDMA device carries it)")
-        return True, (f"{mine['engine']}, UCX on {mine['device']} here, {theirs.get('device')} on the "
-                      f"peer ({mine['transport']})")
+            return Verdict(True, f"{mine['engine']} over UCX's tcp transport on both sides (rdma='tcp': "
+                                 "no RDMA device carries it)", needs_device=False)
+        return Verdict(True, f"{mine['engine']}, UCX on {mine['device']} here, {theirs.get('device')} on the "
+                             f"peer ({mine['transport']})")
 
     # ------------------------------------------------------------------ offers
     def _proof(self, me: int, my_inc: str, them: int, their_inc: str, offer: _Offer) -> bytes:
