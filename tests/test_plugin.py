@@ -123,3 +123,16 @@ def test_a_broken_plug_in_is_skipped_with_a_warning_and_the_rest_still_work(tmp_
         assert "backend entry point 'notabackend' (json:dumps) is not an mq.backend.Backend" in text
     finally:
         registry.rediscover()
+
+
+def test_a_backend_whose_conformance_cases_cannot_run_is_refused_when_declared():
+    """A plug-in author learns at import, with the fix, not from a suite that cannot start."""
+    from mq.backend import Backend, ConformanceCase
+
+    common = dict(name="toy2", mq_types={"toy2": {}}, transport="m:T", options="m:O", routes=frozenset({"tcp"}),
+                  summary="s")
+    with pytest.raises(ValueError, match=r"conformance cases name mq types it lacks: \['nng'\]"):
+        Backend(**common, conformance=(ConformanceCase("x", "nng", "tcp"),), nodes="m:f")
+    with pytest.raises(ValueError, match="cannot be launched: its conformance cases need nodes='module:function'"):
+        Backend(**common, conformance=(ConformanceCase("x", "toy2", "tcp"),))
+    assert Backend(**common, conformance=(ConformanceCase("x", "toy2", "tcp"),), nodes="m:f").nodes == "m:f"
